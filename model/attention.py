@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .compressor import Compressor, CompressorOut
+from .compressor import FP8_NOPE, HADAMARD_FP4, NO_SIM, Compressor, CompressorOut, nope_fp8_roundtrip
 from .config import CSA, ModelConfig, SWA
 from .layers import RMSNorm, Rope, apply_rope, rms_normalize
+from .quant import fp4_roundtrip, hadamard
 
 NEVER = 1 << 40  # entry index that no query can see
 
@@ -48,15 +49,19 @@ class Indexer(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: Rope):
         super().__init__()
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.sim = cfg.qat_sim
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
-        self.compressor = Compressor(cfg.hidden_size, self.head_dim, 4, True, cfg.rms_norm_eps, rope)
+        self.compressor = Compressor(cfg.hidden_size, self.head_dim, 4, True, cfg.rms_norm_eps, rope,
+                                     HADAMARD_FP4 if cfg.qat_sim else NO_SIM)
         self.rope = rope
 
     def select(self, x, q_low, cos, sin, keys, visible):
         """x [B,K,H], q_low [B,K,q_lora], keys [B,M,Di], visible [B,K,M] bool -> selected [B,K,M] bool."""
         b, k = x.shape[:2]
         q = apply_rope(self.wq_b(q_low).view(b, k, self.n_heads, self.head_dim), cos[:, :, None], sin[:, :, None])
+        if self.sim:
+            q = fp4_roundtrip(hadamard(q))
         w = self.weights_proj(x).float() * self.n_heads ** -0.5  # [B, K, h]
         s = torch.relu(torch.einsum("bkhd,bmd->bkhm", q.float(), keys.float())) * self.head_dim ** -0.5
         scores = (s * w[..., None]).sum(2).masked_fill(~visible, float("-inf"))
@@ -89,7 +94,8 @@ class Attention(nn.Module):
             self.rope = Rope(cfg.qk_rope_head_dim, cfg.rope_theta, None)
         else:
             self.rope = Rope(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.yarn)
-            self.compressor = Compressor(h, d, self.ratio, self.kind == CSA, cfg.rms_norm_eps, self.rope)
+            self.compressor = Compressor(h, d, self.ratio, self.kind == CSA, cfg.rms_norm_eps, self.rope,
+                                         FP8_NOPE if cfg.qat_sim else NO_SIM)
             if self.kind == CSA:
                 self.indexer = Indexer(cfg, self.rope)
 
@@ -102,6 +108,8 @@ class Attention(nn.Module):
         q = self.wq_b(q_low).view(b, k, self.n_heads, self.head_dim)
         q = apply_rope(rms_normalize(q.float(), self.cfg.rms_norm_eps).to(x.dtype), cos[:, :, None], sin[:, :, None])
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [B, K, D]
+        if self.cfg.qat_sim:
+            kv = nope_fp8_roundtrip(kv, self.rope.dim)
 
         keys = torch.cat((view.swa, kv), 1)  # [B, W+K, D]
         key_pos = torch.cat((ring_positions(start, self.window), positions), 1)

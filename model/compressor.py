@@ -17,6 +17,9 @@ import torch
 from torch import nn
 
 from .layers import RMSNorm, Rope, apply_rope
+from .quant import fp4_roundtrip, fp8_roundtrip, hadamard
+
+NO_SIM, FP8_NOPE, HADAMARD_FP4 = None, "fp8_nope", "hadamard_fp4"
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,9 +30,10 @@ class CompressorOut:
 
 
 class Compressor(nn.Module):
-    def __init__(self, dim: int, head_dim: int, ratio: int, overlap: bool, eps: float, rope: Rope):
+    def __init__(self, dim: int, head_dim: int, ratio: int, overlap: bool, eps: float, rope: Rope,
+                 sim: str | None = NO_SIM):
         super().__init__()
-        self.ratio, self.overlap, self.head_dim = ratio, overlap, head_dim
+        self.ratio, self.overlap, self.head_dim, self.sim = ratio, overlap, head_dim, sim
         width = head_dim * (2 if overlap else 1)
         self.wkv = nn.Linear(dim, width, bias=False)
         self.wgate = nn.Linear(dim, width, bias=False)
@@ -70,7 +74,15 @@ class Compressor(nn.Module):
         pooled = (kv_w * gate_w.softmax(dim=2)).sum(2)
         entries = self.norm(pooled.to(x.dtype))
         cos, sin = self.rope.cos_sin(w * r)
-        return CompressorOut(apply_rope(entries, cos, sin), seq_kv, seq_gate)
+        return CompressorOut(self._simulate(apply_rope(entries, cos, sin)), seq_kv, seq_gate)
+
+    def _simulate(self, e: torch.Tensor) -> torch.Tensor:
+        """The reference's quantisation-aware rounding of finished entries (see model/NOTES.md)."""
+        if self.sim == FP8_NOPE:
+            return nope_fp8_roundtrip(e, self.rope.dim)
+        if self.sim == HADAMARD_FP4:
+            return fp4_roundtrip(hadamard(e))
+        return e
 
     def _select_halves(self, kv: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the position bias; with overlap, slots t < r read the first half of the channels (previous
@@ -89,3 +101,8 @@ def _gather_rows(seq: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     b, e, s = idx.shape
     flat = torch.gather(seq, 1, idx.reshape(b, e * s, 1).expand(-1, -1, seq.shape[-1]))
     return flat.view(b, e, s, -1)
+
+
+def nope_fp8_roundtrip(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """fp8 round trip of the channels before the trailing rope channels; the rope channels stay exact."""
+    return torch.cat((fp8_roundtrip(x[..., :-rope_dim]), x[..., -rope_dim:]), -1)

@@ -77,6 +77,9 @@ class ModelConfig:
     dspark_markov_rank: int = 0
     dspark_block_size: int = 0
     dspark_noise_token_id: int = 0
+    # run the reference's quantisation-aware simulations (fp8 round trip of KV nope dims, Hadamard + fp4 round trip
+    # of indexer q/k); a runtime choice, not a config.json key
+    qat_sim: bool = True
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
@@ -117,7 +120,7 @@ class ModelConfig:
         """The config.json dict (official keys) this config was or would be read from."""
         out = {k: v for k, v in self.raw.items()}
         for f in dataclasses.fields(self):
-            if f.name in ("raw", "yarn", "quant", "dspark_num_layers"):
+            if f.name in ("raw", "yarn", "quant", "dspark_num_layers", "qat_sim"):
                 continue
             v = getattr(self, f.name)
             out[f.name] = list(v) if isinstance(v, tuple) else v
@@ -139,7 +142,8 @@ class ModelConfig:
         return out
 
 
-_SIMPLE_KEYS = {f.name for f in dataclasses.fields(ModelConfig)} - {"yarn", "quant", "raw", "dspark_num_layers"}
+_SIMPLE_KEYS = {f.name for f in dataclasses.fields(ModelConfig)} - {"yarn", "quant", "raw", "dspark_num_layers",
+                                                                  "qat_sim"}
 
 
 def config_from_dict(d: dict) -> ModelConfig:

@@ -56,8 +56,11 @@ class Rope(nn.Module):
 
     def __init__(self, dim: int, theta: float, yarn: YarnConfig | None):
         super().__init__()
-        self.dim = dim
-        self.register_buffer("inv_freq", rope_inv_freq(dim, theta, yarn), persistent=False)
+        self.dim, self.theta, self.yarn = dim, theta, yarn
+        self.register_buffer("inv_freq", self.computed_inv_freq(), persistent=False)
+
+    def computed_inv_freq(self) -> torch.Tensor:
+        return rope_inv_freq(self.dim, self.theta, self.yarn)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...] int64 -> cos, sin [..., dim/2] fp32."""

@@ -87,6 +87,7 @@ class Transformer(nn.Module):
             self.hc_head = HyperHead(cfg)
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.requires_grad_(False)  # inference only
 
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,95 @@
+"""Tokenizer and chat template: loading a checkpoint's `tokenizer.json` / `tokenizer_config.json`, and training
+the small byte-level BPE tokenizer that generated checkpoints ship (from a corpus bundled with the project)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+BOS, EOS, PAD, NOISE = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜pad｜>", "<｜dspark_noise｜>"
+USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
+SPECIAL_TOKENS = [BOS, EOS, PAD, NOISE, USER, ASSISTANT]  # ids 0..5 in generated tokenizers
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}"
+    "{% elif m['role'] == 'user' %}" + USER + "{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}" + ASSISTANT + "{{ m['content'] }}{{ eos_token }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"
+)
+CORPUS = Path(__file__).parent / "data" / "corpus.txt"
+
+
+def train_tokenizer(vocab_size: int) -> HFTokenizer:
+    """A deterministic byte-level BPE over the bundled corpus, special tokens first."""
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    lines = CORPUS.read_text().splitlines()
+    tok.train_from_iterator(lines * 4, trainer=trainer)
+    return tok
+
+
+def write_tokenizer(out_dir: Path, vocab_size: int) -> None:
+    tok = train_tokenizer(vocab_size)
+    tok.save(str(out_dir / "tokenizer.json"))
+    cfg = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "chat_template": CHAT_TEMPLATE,
+           "add_bos_token": False, "model_max_length": 65536, "tokenizer_class": "PreTrainedTokenizerFast"}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
+
+
+class Tokenizer:
+    """Encode, decode and render chats for one checkpoint."""
+
+    def __init__(self, checkpoint_dir: str | Path):
+        d = Path(checkpoint_dir)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if not (d / name).is_file():
+                raise FileNotFoundError(f"{d / name} not found: a checkpoint directory holds {name}")
+        self._tok = HFTokenizer.from_file(str(d / "tokenizer.json"))
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+        self.bos_token, self.eos_token = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
+        self.eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        template = cfg.get("chat_template") or CHAT_TEMPLATE
+        self._template = jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return self.encode(self.render_chat(messages))
+
+
+def _token_text(t) -> str | None:
+    return t.get("content") if isinstance(t, dict) else t
+
+
+class IncrementalDecoder:
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer, self.ids, self.text = tokenizer, [], ""
+
+    def push(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        delta, self.text = text[len(self.text):], text
+        return delta
