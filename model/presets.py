@@ -13,12 +13,12 @@ _COMMON = {
 
 TINY = {
     **_COMMON,
-    "vocab_size": 1024, "hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4, "head_dim": 72,
+    "vocab_size": 1024, "hidden_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4, "head_dim": 72,
     "qk_rope_head_dim": 8, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16, "sliding_window": 16,
     # every attention kind, hash layers first; the trailing entries belong to the drafter layers
     "compress_ratios": [0, 4, 128, 4, 128, 0, 0, 0], "num_hash_layers": 2,
     "index_n_heads": 8, "index_head_dim": 32, "index_topk": 8,
-    "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
     "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "hc_mult": 4,
     "rope_theta": 10000.0, "compress_rope_theta": 160000.0, "max_position_embeddings": 1024,
     "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 256,

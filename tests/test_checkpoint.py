@@ -45,7 +45,7 @@ def test_fp8_and_fp4_round_trip(tmp_path):
     raw = load_file(str(next(tmp_path.glob("*.safetensors"))))
     assert raw["layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
     assert raw["layers.0.ffn.experts.0.w1.weight"].dtype == torch.int8  # two e2m1 per byte
-    assert raw["layers.0.ffn.experts.0.w1.scale"].shape == (32, 64 // 32)
+    assert raw["layers.0.ffn.experts.0.w1.scale"].shape == (64, 128 // 32)
     assert raw["layers.1.attn.compressor.wkv.weight"].dtype == torch.bfloat16  # as published: not fp8
     assert raw["layers.1.hc_attn_fn"].dtype == torch.float32
     got = model.load(tmp_path, dtype=torch.float32).state_dict()

@@ -1,0 +1,28 @@
+# Set-up and the two README commands. Everything installs into .venv on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU machines: a local CPU build of torch (an unpinned torch would pull a multi-GB CUDA build)
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo test bench clean-venv
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[serve,test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/dspark-pd generate --prompt "Hello! Could you help me with a short question about trains?" --max-tokens 48
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) bench/model_cpu.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""The `dspark-pd` command line."""

@@ -1,0 +1,42 @@
+"""`dspark-pd`: subcommands for checkpoints, generation and the serving pair."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from . import options
+from .checkpoint import MakeCheckpointConfig
+from .generate import GenerateConfig
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dspark-pd", description=__doc__.split(":", 1)[1].strip())
+    p.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    sub = p.add_subparsers(dest="command", required=True)
+    mk = sub.add_parser("make-checkpoint", help="write a deterministic random checkpoint")
+    options.add_options(mk, MakeCheckpointConfig, positional=("out",))
+    gen = sub.add_parser("generate", help="stream text from the aggregated engine")
+    options.add_options(gen, GenerateConfig)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if ns.command == "make-checkpoint":
+            from .checkpoint import run
+            return run(options.build(MakeCheckpointConfig, ns))
+        if ns.command == "generate":
+            from .generate import run
+            return run(options.build(GenerateConfig, ns))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"dspark-pd {ns.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

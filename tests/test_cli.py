@@ -1,0 +1,58 @@
+"""The `dspark-pd` command line as a user runs it (subprocesses), and the bundled checkpoint."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from model.synthetic import make_checkpoint
+
+BUNDLED = Path(__file__).resolve().parent.parent / "model" / "data" / "tiny"
+
+
+def dspark(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, timeout=120,
+                          env=env)
+
+
+def test_bundled_checkpoint_is_the_generator_output(tmp_path):
+    make_checkpoint("tiny", tmp_path, layout="official", fmt="bf16", seed=0)
+    for f in BUNDLED.iterdir():
+        assert f.read_bytes() == (tmp_path / f.name).read_bytes(), f"{f.name} differs: regenerate model/data/tiny"
+
+
+def test_generate_streams_text_and_reports():
+    r = dspark("generate", "--prompt", "Hello there", "--max-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    assert "12 generated" in r.stderr and "finish: length" in r.stderr
+    assert r.stdout.strip()
+
+
+def test_generate_greedy_is_deterministic():
+    a = dspark("generate", "--max-tokens", "8")
+    b = dspark("generate", "--max-tokens", "8")
+    assert a.stdout == b.stdout
+
+
+def test_help_lists_flags_with_defaults_and_env():
+    r = dspark("generate", "--help")
+    assert r.returncode == 0
+    for flag in ("--max-tokens", "--temperature", "--top-p", "--seed", "--model", "DSPARK_MAX_TOKENS"):
+        assert flag in r.stdout
+    assert "default: 64" in r.stdout
+
+
+def test_env_sets_defaults(tmp_path):
+    import os
+    r = dspark("generate", "--max-tokens", "3", env={**os.environ, "DSPARK_PROMPT": "from env"})
+    assert r.returncode == 0 and "3 generated" in r.stderr
+
+
+def test_bad_values_give_clear_errors(tmp_path):
+    r = dspark("generate", "--max-tokens", "0")
+    assert r.returncode == 2 and "max-tokens must be >= 1" in r.stderr
+    r = dspark("generate", "--model", str(tmp_path))
+    assert r.returncode == 2 and "config.json" in r.stderr
+    r = dspark("make-checkpoint", "--preset", "huge", str(tmp_path))
+    assert r.returncode == 2 and "invalid choice" in r.stderr
