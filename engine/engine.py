@@ -1,7 +1,8 @@
-"""The aggregated engine: one process holding the target, continuous batching, non-speculative decoding.
+"""The aggregated engine: one process holding the target (and optionally a draft proposer), continuous batching.
 
 Loop: schedule -> prefill the admitted requests -> one batched decode step over the running ones (padded to a
-bucket) -> sample -> stop checks. The decode service reuses this loop with speculative steps.
+bucket) -> sample -> stop checks. With a proposer, a decode step drafts a block per request, verifies anchor +
+drafts in one target extend, accepts (greedy or rejection sampling), and commits only what was accepted.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from model.tokenizer import Tokenizer
 from .batch import bucket_for
 from .request import Request, StepOutput
 from .runner import CacheSizing, ModelRunner
-from .sampling import TARGET, SamplingParams, probs_from_logits, sample_from_probs
+from .proposer import DraftRows, Proposer
+from .sampling import ACCEPT, TARGET, SamplingParams, probs_from_logits, sample_from_probs, uniform
+from kernels.acceptance import accept
 from .scheduler import Scheduler
 from .stops import StopChecker
 
@@ -27,10 +30,12 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None, sizing: CacheSizing = CacheSizing(),
-                 prefill_chunk: int = 512):
-        self.runner = ModelRunner(model, sizing)
+                 prefill_chunk: int = 512, proposer: Proposer | None = None):
+        self.proposer = proposer
+        self.runner = ModelRunner(model, sizing, extra_layers=proposer.layers if proposer else ())
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(self.runner.alloc, sizing.max_requests, lookahead=1)
+        lookahead = proposer.block_size + 1 if proposer else 1
+        self.scheduler = Scheduler(self.runner.alloc, sizing.max_requests, lookahead=lookahead)
         self.prefill_chunk = prefill_chunk
         self.stops: dict[str, StopChecker] = {}
         self._ids = itertools.count()
@@ -75,15 +80,24 @@ class Engine:
     def _prefill(self, req: Request) -> StepOutput:
         self.runner.pool.clear_slot(req.cache.slot)
         ids, chunk = req.prompt_ids, self.prefill_chunk
+        capture = self.proposer.capture if self.proposer else ()
         for i in range(0, len(ids), chunk):
-            batch = self.runner.batch([(req.cache, ids[i:i + chunk])])
-            out = self.runner.extend(batch)
-            self.runner.commit([req.cache], batch, out, [len(ids[i:i + chunk])])
+            part = ids[i:i + chunk]
+            batch = self.runner.batch([(req.cache, part)])
+            out = self.runner.extend(batch, capture=capture)
+            self.runner.commit([req.cache], batch, out, [len(part)])
+            if self.proposer:
+                self.proposer.extend_context(self.runner.pool, batch, out.aux, self._tensor([len(part)]))
         with torch.inference_mode():
             logits = self.runner.model.logits(out.streams[:, -1])
         return self._emit([req], logits)[0]
 
+    def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.runner.device)
+
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
+        if self.proposer:
+            return self._spec_decode(reqs)
         rows = [(r.cache, [r.last_token]) for r in reqs]
         batch = self.runner.batch(rows, pad_to=bucket_for(len(rows)))
         out = self.runner.extend(batch)
@@ -91,6 +105,50 @@ class Engine:
         with torch.inference_mode():
             logits = self.runner.model.logits(out.streams[: len(reqs), -1])
         return self._emit(reqs, logits)
+
+    def _spec_decode(self, reqs: list[Request]) -> list[StepOutput]:
+        b, bp, n_real = self.proposer.block_size, bucket_for(len(reqs)), len(reqs)
+        pad = bp - n_real
+        rows = self._draft_rows(reqs, pad)
+        draft = self.proposer.propose(self.runner.pool, rows)
+        drafts = draft.tokens.tolist()
+        batch = self.runner.batch([(r.cache, [r.last_token] + drafts[i]) for i, r in enumerate(reqs)], pad_to=bp)
+        out = self.runner.extend(batch, capture=self.proposer.capture)
+        with torch.inference_mode():
+            logits = self.runner.model.logits(out.streams)  # [bp, b+1, V]
+        v = logits.shape[-1]
+        p = probs_from_logits(logits.flatten(0, 1), rows.temperature.repeat_interleave(b + 1),
+                              rows.top_p.repeat_interleave(b + 1)).view(bp, b + 1, v)
+        pos = rows.start[:, None] + 1 + torch.arange(b + 1, device=logits.device)  # positions of emitted tokens
+        u_acc = torch.stack([uniform(rows.seed, pos[:, i], ACCEPT, 1)[:, 0] for i in range(b)], 1)
+        n_acc, last = accept(p, draft.probs, draft.tokens, u_acc, self._pick_uniform(rows.seed, pos))
+        accepted = (n_acc + 1).masked_fill(rows.is_padding, 0)
+        self.runner.commit([r.cache for r in reqs], batch, out, accepted[:n_real].tolist())
+        self.proposer.extend_context(self.runner.pool, batch, out.aux, accepted)
+        logp = torch.log_softmax(logits, -1)
+        outputs = []
+        for i, (r, n, t) in enumerate(zip(reqs, n_acc.tolist(), last.tolist())):
+            ids = drafts[i][:n] + [t]
+            lps = logp[i, torch.arange(n + 1), torch.tensor(ids, device=logp.device)].tolist()
+            r.drafted, r.accepted = r.drafted + b, r.accepted + n
+            outputs.append(self._append(r, ids, lps))
+        return outputs
+
+    @staticmethod
+    def _pick_uniform(seed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One TARGET-stream uniform per row, keyed by the step's anchor position (first emitted position)."""
+        return uniform(seed, pos[:, 0], TARGET, 1)[:, 0]
+
+    def _draft_rows(self, reqs: list[Request], pad: int) -> DraftRows:
+        t = self._tensor
+        return DraftRows(
+            anchor=t([r.last_token for r in reqs] + [0] * pad),
+            start=t([r.cache.tokens for r in reqs] + [0] * pad),
+            slots=t([r.cache.slot for r in reqs] + [0] * pad),
+            is_padding=t([False] * len(reqs) + [True] * pad, torch.bool),
+            temperature=t([r.params.temperature for r in reqs] + [0.0] * pad, torch.float32),
+            top_p=t([r.params.top_p for r in reqs] + [1.0] * pad, torch.float32),
+            seed=t([r.params.seed for r in reqs] + [0] * pad))
 
     def _emit(self, reqs: list[Request], logits: torch.Tensor) -> list[StepOutput]:
         """Sample one token per request from logits [B, V] and apply stop rules."""

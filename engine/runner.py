@@ -29,12 +29,13 @@ class CacheSizing:
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, sizing: CacheSizing = CacheSizing()):
+    def __init__(self, model: Transformer, sizing: CacheSizing = CacheSizing(), extra_layers: tuple[int, ...] = ()):
+        """extra_layers: sliding-window rings kept per request besides the target's (a drafter's context)."""
         self.model, self.sizing = model, sizing
         self.ratios = ratios_of(model.cfg, model.layer_range)
         blocks = sizing.blocks(self.ratios)
-        self.pool = CachePool(model.cfg, model.layer_range, sizing.max_requests + 1, blocks, sizing.block_size,
-                              model.device, model.dtype)
+        self.pool = CachePool(model.cfg, list(model.layer_range) + list(extra_layers), sizing.max_requests + 1,
+                              blocks, sizing.block_size, model.device, model.dtype)
         self.alloc = CacheAllocator(sizing.max_requests + 1, blocks, sizing.block_size)
 
     @property

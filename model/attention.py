@@ -102,15 +102,9 @@ class Attention(nn.Module):
     def extend(self, x: torch.Tensor, positions: torch.Tensor, start: torch.Tensor, view: LayerView
                ) -> tuple[torch.Tensor, LayerPending]:
         """x [B, K, H] normed input; positions [B, K] = start[:, None] + arange(K); start [B] int64."""
-        b, k, _ = x.shape
         cos, sin = self.rope.cos_sin(positions)  # [B, K, r/2]
-        q_low = self.q_norm(self.wq_a(x))
-        q = self.wq_b(q_low).view(b, k, self.n_heads, self.head_dim)
-        q = apply_rope(rms_normalize(q.float(), self.cfg.rms_norm_eps).to(x.dtype), cos[:, :, None], sin[:, :, None])
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [B, K, D]
-        if self.cfg.qat_sim:
-            kv = nope_fp8_roundtrip(kv, self.rope.dim)
-
+        q, q_low = self.project_q(x, cos, sin)
+        kv = self.project_kv(x, cos, sin)  # [B, K, D]
         keys = torch.cat((view.swa, kv), 1)  # [B, W+K, D]
         key_pos = torch.cat((ring_positions(start, self.window), positions), 1)
         qp, kp = positions[:, :, None], key_pos[:, None, :]
@@ -119,9 +113,36 @@ class Attention(nn.Module):
         if self.kind != SWA:
             entries, visible, pending = self._compressed(x, q_low, cos, sin, positions, start, view, kv)
             keys, mask = torch.cat((keys, entries), 1), torch.cat((mask, visible), 2)
+        return self._attend_out(q, keys, mask, cos, sin), pending
+
+    def draft(self, x: torch.Tensor, positions: torch.Tensor, start: torch.Tensor, context: torch.Tensor
+              ) -> torch.Tensor:
+        """A DSpark query block: x [B, K, H] at positions start..start+K-1 attends to the context ring [B, W, D]
+        (rows of positions < start, within each query's window) and to every token of its own block."""
+        cos, sin = self.rope.cos_sin(positions)
+        q, _ = self.project_q(x, cos, sin)
+        kv = self.project_kv(x, cos, sin)
+        ctx_pos = ring_positions(start, self.window)[:, None, :]  # [B, 1, W]
+        ctx_mask = (ctx_pos >= 0) & (ctx_pos > positions[:, :, None] - self.window)
+        block_mask = torch.ones(x.shape[0], x.shape[1], x.shape[1], dtype=torch.bool, device=x.device)
+        return self._attend_out(q, torch.cat((context, kv), 1), torch.cat((ctx_mask, block_mask), 2), cos, sin)
+
+    def project_q(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> q [B, K, nh, D] (per-head normed, roped), q_low [B, K, q_lora] (shared with the indexer)."""
+        b, k, _ = x.shape
+        q_low = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_low).view(b, k, self.n_heads, self.head_dim)
+        q = rms_normalize(q.float(), self.cfg.rms_norm_eps).to(x.dtype)
+        return apply_rope(q, cos[:, :, None], sin[:, :, None]), q_low
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The shared K=V row of each token [B, K, D]: normed, roped, fp8-simulated (nope channels)."""
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        return nope_fp8_roundtrip(kv, self.rope.dim) if self.cfg.qat_sim else kv
+
+    def _attend_out(self, q, keys, mask, cos, sin) -> torch.Tensor:
         out = attend_with_sink(q, keys, mask, self.attn_sink, self.head_dim ** -0.5)  # [B, K, nh, D]
-        out = apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True)
-        return self._project_out(out), pending
+        return self._project_out(apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True))
 
     def _compressed(self, x, q_low, cos, sin, positions, start, view, kv):
         r = self.ratio

@@ -23,9 +23,10 @@ SCRATCH = 0
 
 
 class CachePool:
-    def __init__(self, cfg: ModelConfig, layers: range, num_slots: int, num_blocks: dict[int, int],
+    def __init__(self, cfg: ModelConfig, layers, num_slots: int, num_blocks: dict[int, int],
                  block_size: int, device: torch.device | str, dtype: torch.dtype):
-        """num_slots and num_blocks include the scratch slot / block 0."""
+        """layers: target layer ids (and drafter layer ids, whose context rings are sliding-window state);
+        num_slots and num_blocks include the scratch slot / block 0."""
         self.cfg, self.layers, self.block_size = cfg, layers, block_size
         self.num_slots, self.num_blocks = num_slots, dict(num_blocks)
         w, d, di = cfg.sliding_window, cfg.head_dim, cfg.index_head_dim
@@ -89,7 +90,7 @@ class CachePool:
     def commit(self, batch: StepBatch, pending: dict[int, LayerPending], accepted: torch.Tensor) -> None:
         """Keep the first accepted[b] of the K pending tokens of each request; the rest leave no trace."""
         for layer, p in pending.items():
-            self._commit_swa(layer, batch, p.kv, accepted)
+            self.commit_rows(layer, batch, p.kv, accepted)
             r = self.cfg.ratio(layer)
             if r == 0:
                 continue
@@ -99,7 +100,8 @@ class CachePool:
                 self._commit_compressor(batch, p.idx, accepted, r, self.idx_carry_kv[layer],
                                         self.idx_carry_gate[layer], self.idx_entries[layer])
 
-    def _commit_swa(self, layer: int, batch: StepBatch, kv: torch.Tensor, accepted: torch.Tensor) -> None:
+    def commit_rows(self, layer: int, batch: StepBatch, kv: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Write the first accepted[b] of kv [B, K, D] (positions start..) into the layer's window ring."""
         w = self.cfg.sliding_window
         k = kv.shape[1]
         j = torch.arange(k, device=kv.device)[None]

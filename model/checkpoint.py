@@ -163,6 +163,33 @@ def _reset_buffers(model: torch.nn.Module) -> None:
             mod.inv_freq = mod.computed_inv_freq().to(mod.inv_freq.device)
 
 
+def load_drafter(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.bfloat16, context_only: bool = False, qat_sim: bool = True):
+    """Load the DSpark drafter (`mtp.*`): the full `Drafter`, or with context_only the `ContextKV` part the
+    prefill side needs (main_proj/main_norm and each stage's kv path; nothing else is read)."""
+    from .drafter import ContextKV, Drafter
+
+    d = Path(checkpoint_dir)
+    cfg = dataclasses.replace(load_config(d), qat_sim=qat_sim)
+    with torch.device("meta"):
+        drafter = ContextKV(cfg) if context_only else Drafter(cfg)
+    drafter = drafter.to_empty(device=device)
+    _cast_(drafter, dtype)
+    _reset_buffers(drafter)
+    wanted = set(drafter.state_dict())
+    tensors, _ = read_tensors(d, cfg, range(0), False, False, filter_fn=lambda n: _drafter_wants(n, wanted))
+    load_state_into(drafter, tensors, keys.OFFICIAL, f"{d} (drafter)")
+    return drafter.eval()
+
+
+def _drafter_wants(name: str, wanted: set[str]) -> bool:
+    if not name.startswith("mtp."):
+        return False
+    if re.search(r"\.experts\.\d+\.", name):
+        return any(".experts." in w for w in wanted)
+    return True
+
+
 # ---- writing -------------------------------------------------------------------------------------
 
 def to_layout(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: str, fmt: str) -> dict[str, torch.Tensor]:
@@ -172,7 +199,11 @@ def to_layout(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: str, fmt: s
     if fmt == "fp8" and layout != keys.OFFICIAL:
         raise ValueError("fp8 checkpoints use the official layout (the published quantisation)")
     sd = {k: v for k, v in sd.items() if not k.endswith("inv_freq")}
-    named = keys.ours_to_official(sd) if layout == keys.OFFICIAL else keys.ours_to_transformers(sd)
+    # drafter tensors (mtp.*) keep the official names in every layout (transformers ignores them)
+    mtp = keys.ours_to_official({k: v for k, v in sd.items() if k.startswith("mtp.")})
+    rest = {k: v for k, v in sd.items() if not k.startswith("mtp.")}
+    named = keys.ours_to_official(rest) if layout == keys.OFFICIAL else keys.ours_to_transformers(rest)
+    named.update(mtp)
     out = {}
     for n, t in named.items():
         t = t.detach().cpu().contiguous()

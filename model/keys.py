@@ -57,7 +57,7 @@ def ours_to_official(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 out[f"{m[1]}.{e}.{m[2]}.weight"] = v[e]
             continue
         k = re.sub(r"\.hc_(attn|ffn)\.(fn|base|scale)$", r".hc_\1_\2", k)
-        k = re.sub(r"^hc_head\.(fn|base|scale)$", r"hc_head_\1", k)
+        k = re.sub(r"(^|\.)hc_head\.(fn|base|scale)$", r"\1hc_head_\2", k)
         out[k] = v
     return out
 
@@ -70,7 +70,7 @@ def official_to_ours(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
             experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = v
             continue
         k = re.sub(r"\.hc_(attn|ffn)_(fn|base|scale)$", r".hc_\1.\2", k)
-        k = re.sub(r"^hc_head_(fn|base|scale)$", r"hc_head.\1", k)
+        k = re.sub(r"(^|\.)hc_head_(fn|base|scale)$", r"\1hc_head.\2", k)
         out[k] = v
     for k, per_expert in experts.items():
         n = max(per_expert) + 1

@@ -13,6 +13,7 @@ import torch
 from . import keys
 from .checkpoint import to_layout, write_shards
 from .config import config_from_dict
+from .drafter import Drafter
 from .presets import PRESETS
 from .random_init import init_random_
 from .target import Transformer
@@ -41,10 +42,15 @@ def make_checkpoint(preset: str, out_dir: str | Path, layout: str = keys.OFFICIA
     t0 = time.time()
     model = Transformer(cfg)
     init_random_(model, seed, cfg.n_routed_experts)
-    n_params = sum(p.numel() for p in model.parameters())
+    sd = dict(model.state_dict())
+    if cfg.has_dspark:
+        drafter = Drafter(cfg)
+        init_random_(drafter, seed, cfg.n_routed_experts)
+        sd.update(drafter.state_dict())
+    n_params = sum(v.numel() for k, v in sd.items() if not k.endswith(("inv_freq", "tid2eid")))
     log.info("initialised %s (%.1fM parameters) in %.1fs", preset, n_params / 1e6, time.time() - t0)
-    tensors = to_layout(model.state_dict(), cfg, layout, fmt)
-    del model
+    tensors = to_layout(sd, cfg, layout, fmt)
+    del model, sd
     write_shards(tensors, out)
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     write_tokenizer(out, vocab_size=min(cfg.vocab_size, 1000))
