@@ -7,12 +7,15 @@ drafts in one target extend, accepts (greedy or rejection sampling), and commits
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Iterator
 
 import torch
 
+from kernels.acceptance import accept
+from kernels.step_inputs import verify_inputs
 from model.target import Transformer
 from model.tokenizer import Tokenizer
 
@@ -21,7 +24,6 @@ from .request import Request, StepOutput
 from .runner import CacheSizing, ModelRunner
 from .proposer import DraftRows, Proposer
 from .sampling import ACCEPT, TARGET, SamplingParams, probs_from_logits, sample_from_probs, uniform
-from kernels.acceptance import accept
 from .scheduler import Scheduler
 from .stops import StopChecker
 
@@ -111,8 +113,9 @@ class Engine:
         pad = bp - n_real
         rows = self._draft_rows(reqs, pad)
         draft = self.proposer.propose(self.runner.pool, rows)
-        drafts = draft.tokens.tolist()
-        batch = self.runner.batch([(r.cache, [r.last_token] + drafts[i]) for i, r in enumerate(reqs)], pad_to=bp)
+        batch = self.runner.batch([(r.cache, [0] * (b + 1)) for r in reqs], pad_to=bp)
+        ids, _ = verify_inputs(rows.anchor, draft.tokens, rows.start, n_real)  # drafts stay on the device
+        batch = dataclasses.replace(batch, input_ids=ids)
         out = self.runner.extend(batch, capture=self.proposer.capture)
         with torch.inference_mode():
             logits = self.runner.model.logits(out.streams)  # [bp, b+1, V]
@@ -126,6 +129,7 @@ class Engine:
         self.runner.commit([r.cache for r in reqs], batch, out, accepted[:n_real].tolist())
         self.proposer.extend_context(self.runner.pool, batch, out.aux, accepted)
         logp = torch.log_softmax(logits, -1)
+        drafts = draft.tokens.tolist()
         outputs = []
         for i, (r, n, t) in enumerate(zip(reqs, n_acc.tolist(), last.tolist())):
             ids = drafts[i][:n] + [t]

@@ -88,3 +88,37 @@ class DSparkProposer(Proposer):
             probs.append(p)
             prev = tok
         return Draft(torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(conf, 1))
+
+
+class ReplayProposer(Proposer):
+    """Replays known continuations (e.g. the target's own greedy output from a non-speculative run), optionally
+    corrupted at chosen (start, block index) positions: a drafter with forced full or partial acceptance, for tests
+    and benchmarks. It rebuilds each slot's committed sequence from the batches it is shown (host-side, slow)."""
+
+    def __init__(self, expected: dict[tuple, list[int]], block_size: int, vocab: int, corrupt=lambda start, i: False):
+        self.expected, self.block_size, self.vocab, self.corrupt = expected, block_size, vocab, corrupt
+        self.seq: dict[int, list[int]] = {}
+
+    def extend_context(self, pool, batch, aux, accepted):
+        for row, n in enumerate(accepted.tolist()):
+            if batch.is_padding[row]:
+                continue
+            slot = int(batch.slots[row])
+            if int(batch.start[row]) == 0:
+                self.seq[slot] = []
+            self.seq[slot] += batch.input_ids[row, :n].tolist()
+
+    def propose(self, pool, rows):
+        tokens = []
+        for slot, anchor, start, pad in zip(rows.slots.tolist(), rows.anchor.tolist(), rows.start.tolist(),
+                                            rows.is_padding.tolist()):
+            if pad:
+                tokens.append([0] * self.block_size)
+                continue
+            seq = self.seq[slot] + [anchor]
+            prompt, cont = next((p, c) for p, c in self.expected.items() if tuple(seq[:len(p)]) == p)
+            done = len(seq) - len(prompt)
+            block = (cont[done:done + self.block_size] + [0] * self.block_size)[:self.block_size]
+            tokens.append([(t + 1) % self.vocab if self.corrupt(start, i) else t for i, t in enumerate(block)])
+        t = torch.tensor(tokens)
+        return Draft(t, torch.nn.functional.one_hot(t, self.vocab).float())

@@ -1,11 +1,12 @@
 """Triton kernels. Each module holds the `_kernel`, a launcher that checks shapes/dtypes, and a `*_ref` in PyTorch
-that the tests compare against (on CPU under TRITON_INTERPRET=1). Launchers fall back to the reference where
-Triton cannot run (a CPU tensor without the interpreter)."""
-
-import os
+that the tests compare against. Launchers take `impl`: "auto" runs Triton on CUDA tensors and the reference
+elsewhere; "triton" forces the kernel (on the CPU this needs TRITON_INTERPRET=1 set before the kernels are
+imported, as the test suite does)."""
 
 import torch
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+def use_triton(t: torch.Tensor, impl: str) -> bool:
+    if impl not in ("auto", "triton", "ref"):
+        raise ValueError(f"impl must be auto, triton or ref, got {impl!r}")
+    return impl == "triton" or (impl == "auto" and t.is_cuda)

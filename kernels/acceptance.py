@@ -36,57 +36,50 @@ def accept_ref(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u_accept:
 
 
 @triton.jit
-def _kernel(p_ptr, q_ptr, d_ptr, ua_ptr, us_ptr, n_ptr, tok_ptr, B: tl.constexpr, V: tl.constexpr,
-            BLOCK_V: tl.constexpr, NB: tl.constexpr):
+def _kernel(p_ptr, q_ptr, d_ptr, ua_ptr, us_ptr, n_ptr, tok_ptr, V: tl.constexpr, BLOCK_V: tl.constexpr,
+            NB: tl.constexpr):
     row = tl.program_id(0)
-    n = NB
+    n = row * 0 + NB  # first rejected draft (NB: none), a runtime scalar
     for i in range(NB):
         d = tl.load(d_ptr + row * NB + i)
         pd = tl.load(p_ptr + (row * (NB + 1) + i) * V + d)
         qd = tl.load(q_ptr + (row * NB + i) * V + d)
         u = tl.load(ua_ptr + row * NB + i)
-        if n == NB:
-            if not (u * qd < pd):
-                n = i
-    # distribution to sample from: residual at a rejection, else the bonus position
-    u = tl.load(us_ptr + row)
-    total = 0.0
+        n = tl.where((n == NB) & (u * qd >= pd), i, n)
+    p_row = p_ptr + (row * (NB + 1) + n) * V
+    q_row = q_ptr + (row * NB + n) * V
+    rejected = n < NB
+    residual_mass = 0.0
+    target_mass = 0.0
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
         m = offs < V
-        pt = tl.load(p_ptr + (row * (NB + 1) + n) * V + offs, mask=m, other=0.0)
-        qt = tl.load(q_ptr + (row * NB + n) * V + offs, mask=m & (n < NB), other=0.0)
-        total += tl.sum(tl.maximum(pt - qt, 0.0), 0)
-    use_residual = (n < NB) & (total > 0)
-    if not use_residual:
-        total = 0.0
-        for v0 in range(0, V, BLOCK_V):
-            offs = v0 + tl.arange(0, BLOCK_V)
-            total += tl.sum(tl.load(p_ptr + (row * (NB + 1) + n) * V + offs, mask=offs < V, other=0.0), 0)
-    threshold = u * total
+        pt = tl.load(p_row + offs, mask=m, other=0.0)
+        qt = tl.load(q_row + offs, mask=m & ((offs * 0 + n) < NB), other=0.0)
+        residual_mass += tl.sum(tl.maximum(pt - qt, 0.0), 0)
+        target_mass += tl.sum(pt, 0)
+    use_residual = rejected & (residual_mass > 0)
+    threshold = tl.load(us_ptr + row) * tl.where(use_residual, residual_mass, target_mass)
     acc = 0.0
-    tok = V - 1
-    found = 0
+    tok = row * 0 + V - 1
+    found = row * 0
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
         m = offs < V
-        pt = tl.load(p_ptr + (row * (NB + 1) + n) * V + offs, mask=m, other=0.0)
-        qt = tl.load(q_ptr + (row * NB + n) * V + offs, mask=m & (n < NB) & use_residual, other=0.0)
+        pt = tl.load(p_row + offs, mask=m, other=0.0)
+        qt = tl.load(q_row + offs, mask=m & ((offs * 0 + use_residual.to(tl.int32)) > 0), other=0.0)
         w = tl.maximum(pt - qt, 0.0)
-        cdf = acc + tl.cumsum(w, 0)
-        hit = (cdf >= threshold) & m
+        hit = ((acc + tl.cumsum(w, 0)) >= threshold) & m
         first = tl.min(tl.where(hit, offs, V), 0)
-        if found == 0:
-            if first < V:
-                tok = first
-                found = 1
+        tok = tl.where((found == 0) & (first < V), first, tok)
+        found = tl.where(first < V, 1, found)
         acc += tl.sum(w, 0)
-    tl.store(n_ptr + row, n)
-    tl.store(tok_ptr + row, tok)
+    tl.store(n_ptr + row, n.to(tl.int64))
+    tl.store(tok_ptr + row, tok.to(tl.int64))
 
 
 def accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u_accept: torch.Tensor,
-           u_sample: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+           u_sample: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher: same contract as accept_ref."""
     bsz, b = drafts.shape
     v = p.shape[-1]
@@ -94,11 +87,11 @@ def accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u_accept: tor
         raise ValueError(f"accept: p {tuple(p.shape)} / q {tuple(q.shape)} do not fit drafts {tuple(drafts.shape)}")
     if u_accept.shape != (bsz, b) or u_sample.shape != (bsz,):
         raise ValueError("accept: uniforms must be [B, b] and [B]")
-    if not use_triton(p):
+    if not use_triton(p, impl):
         return accept_ref(p, q, drafts, u_accept, u_sample)
     p, q = p.float().contiguous(), q.float().contiguous()
     n = torch.empty(bsz, dtype=torch.int64, device=p.device)
     tok = torch.empty(bsz, dtype=torch.int64, device=p.device)
     _kernel[(bsz,)](p, q, drafts.contiguous(), u_accept.float().contiguous(), u_sample.float().contiguous(), n, tok,
-                    B=bsz, V=v, BLOCK_V=min(1024, triton.next_power_of_2(v)), NB=b)
+                    V=v, BLOCK_V=min(1024, triton.next_power_of_2(v)), NB=b)
     return n, tok

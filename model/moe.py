@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.router import route
+
 from .config import ModelConfig
 
 
@@ -42,25 +44,6 @@ def score(logits: torch.Tensor, func: str) -> torch.Tensor:
     return logits.softmax(-1)
 
 
-def route_ref(scores: torch.Tensor, bias: torch.Tensor | None, hash_ids: torch.Tensor | None,
-              is_padding: torch.Tensor, top_k: int, renorm: bool, scaling: float
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """scores [T, E] fp32 -> (weights [T, k] fp32, expert ids [T, k] int64; -1 and 0 on padding rows).
-
-    Hash layers take the ids from `hash_ids` [T, k]; others take top-k of scores + bias (bias only picks).
-    """
-    if hash_ids is not None:
-        ids = hash_ids.long()
-    else:
-        ids = torch.topk(scores + bias if bias is not None else scores, top_k, dim=-1).indices
-    weights = scores.gather(-1, ids)
-    if renorm:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    weights = weights * scaling
-    pad = is_padding[:, None]
-    return weights.masked_fill(pad, 0.0), ids.masked_fill(pad, -1)
-
-
 class Gate(nn.Module):
     def __init__(self, cfg: ModelConfig, hashed: bool):
         super().__init__()
@@ -76,8 +59,8 @@ class Gate(nn.Module):
         scores = score(F.linear(x.float(), self.weight.float()), self.cfg.scoring_func)
         hash_ids = self.tid2eid[input_ids] if self.hashed else None
         bias = None if self.hashed else self.bias
-        return route_ref(scores, bias, hash_ids, is_padding, self.cfg.num_experts_per_tok,
-                         self.cfg.norm_topk_prob, self.cfg.routed_scaling_factor)
+        return route(scores, bias, hash_ids, is_padding, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob,
+                     self.cfg.routed_scaling_factor)
 
 
 class Experts(nn.Module):

@@ -34,8 +34,9 @@ class StepBatch:
     tables: dict[int, torch.Tensor] = field(default_factory=dict)  # ratio -> [B, n_blocks] int64 block table
 
     @property
-    def positions(self) -> torch.Tensor:  # [B, K] int64
-        return self.start[:, None] + torch.arange(self.input_ids.shape[1], device=self.input_ids.device)
+    def positions(self) -> torch.Tensor:  # [B, K] int64; zero on padding rows
+        pos = self.start[:, None] + torch.arange(self.input_ids.shape[1], device=self.input_ids.device)
+        return pos.masked_fill(self.is_padding[:, None], 0)
 
     @staticmethod
     def fresh(input_ids: torch.Tensor) -> "StepBatch":
