@@ -7,10 +7,13 @@ TORCH_SPEC ?= torch==2.13.0
 .PHONY: setup demo test bench clean-venv
 
 $(VENV)/.installed: pyproject.toml
+	@# Mooncake's library loads libibverbs even for TCP
+	@ldconfig -p | grep -q libibverbs.so.1 || { apt-get update -qq && apt-get install -y -qq libibverbs1; } \
+	  || echo "warning: could not install libibverbs1 (needed by Mooncake); run as root or install it" >&2
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[serve,test]"
+	$(PY) -m pip install -q -e ".[serve,mooncake-cpu,test]"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -9,6 +9,7 @@ import sys
 from . import options
 from .checkpoint import MakeCheckpointConfig
 from .generate import GenerateConfig
+from prefill_service.config import PrefillConfig
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -19,6 +20,8 @@ def _parser() -> argparse.ArgumentParser:
     options.add_options(mk, MakeCheckpointConfig, positional=("out",))
     gen = sub.add_parser("generate", help="stream text from the aggregated engine")
     options.add_options(gen, GenerateConfig)
+    pre = sub.add_parser("serve-prefill", help="run the pipeline-parallel gRPC prefill service")
+    options.add_options(pre, PrefillConfig)
     return p
 
 
@@ -32,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "generate":
             from .generate import run
             return run(options.build(GenerateConfig, ns))
+        if ns.command == "serve-prefill":
+            from prefill_service.server import serve
+            return serve(options.build(PrefillConfig, ns), ns.log_level.upper())
     except (ValueError, FileNotFoundError) as e:
         print(f"dspark-pd {ns.command}: error: {e}", file=sys.stderr)
         return 2

@@ -36,9 +36,10 @@ def add_options(parser: argparse.ArgumentParser, cls: type, positional: tuple[st
             continue
         conv = _converter(typ)
         value = conv(env) if env is not None else default
-        parser.add_argument(flag, type=conv, default=value, choices=choices, required=value is None and
-                            f.default is dataclasses.MISSING,
-                            help=f"{help_text} (default: {value}) [env {env_name(f.name)}]")
+        required = value is None and f.default is dataclasses.MISSING
+        shown = "required" if required else f"default: {value}"
+        parser.add_argument(flag, type=conv, default=value, choices=choices, required=required,
+                            help=f"{help_text} ({shown}) [env {env_name(f.name)}]")
 
 
 def _converter(typ):

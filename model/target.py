@@ -117,11 +117,12 @@ class Transformer(nn.Module):
         return self.logits(out.streams)
 
     def extend(self, batch: StepBatch, cache=None, streams: torch.Tensor | None = None,
-               capture: tuple[int, ...] = ()) -> ExtendOut:
+               capture: tuple[int, ...] = (), on_layer=None) -> ExtendOut:
         """Run the held layers over K new tokens per request.
 
         cache: a `model.cache.CachePool` holding the requests' state, or None for requests with no history.
-        streams: [B, K, hc, H] input from the previous pipeline stage (None on the stage holding layer 0)."""
+        streams: [B, K, hc, H] input from the previous pipeline stage (None on the stage holding layer 0).
+        on_layer(layer, pending): called as each layer finishes (a prefill stage commits and ships it there)."""
         if streams is None:
             streams = self.embed_streams(batch.input_ids)
         positions = batch.positions
@@ -129,6 +130,8 @@ class Transformer(nn.Module):
         for i in self.layer_range:
             view = cache.read(i, batch) if cache is not None else empty_view(self.cfg, i, batch, self.dtype)
             streams, pending[i] = self.layers[str(i)].extend(streams, batch, positions, view)
+            if on_layer is not None:
+                on_layer(i, pending[i])
             if i in capture:
                 aux[i] = streams
         return ExtendOut(streams, pending, aux)

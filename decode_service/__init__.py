@@ -1,0 +1,1 @@
+"""The decode service: OpenAI-compatible HTTP front door, KV receiver and speculative decoding engine."""

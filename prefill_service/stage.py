@@ -1,0 +1,161 @@
+"""One pipeline stage: its contiguous layers of the target (the last stage also the context-KV-only drafter and the
+head), a scratch cache pool for the request being prefilled, and a Mooncake engine that pushes each finished layer's
+packed state to the destination while the next layer computes."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+import model
+from engine.allocator import CacheAllocator
+from engine.batch import make_batch
+from engine.sampling import TARGET, probs_from_logits, sample_from_probs
+from model.cache import CachePool, ratios_of
+from model.checkpoint import load_drafter
+from transfer.layout import region_layout
+from transfer.mooncake import MooncakeEngine, TransferError, Write
+from transfer.pack import pack_layer
+
+from .config import PrefillConfig
+from .messages import Job, StageReport
+
+log = logging.getLogger(__name__)
+BLOCK = 64
+
+
+class StageWorker:
+    def __init__(self, cfg: PrefillConfig, stage: int, stages: int, layers: range, device: torch.device,
+                 dtype: torch.dtype):
+        self.cfg, self.stage, self.device, self.dtype = cfg, stage, device, dtype
+        self.last = stage == stages - 1
+        self.model = model.load(cfg.model, device=device, dtype=dtype, layers=layers, qat_sim=cfg.qat_sim)
+        self.mcfg = self.model.cfg
+        self.drafter = None
+        if self.last and self.mcfg.has_dspark:
+            self.drafter = load_drafter(cfg.model, device=device, dtype=dtype, context_only=True,
+                                        qat_sim=cfg.qat_sim)
+        self.layers = list(layers) + (self.drafter.layer_ids if self.drafter else [])
+        self.ratios = ratios_of(self.mcfg, layers)
+        blocks = {r: cfg.max_prompt_tokens // r // BLOCK + 2 for r in self.ratios}
+        self.pool = CachePool(self.mcfg, self.layers, 2, blocks, BLOCK, device, dtype)
+        self.alloc = CacheAllocator(2, blocks, BLOCK)
+        self.engine = MooncakeEngine(cfg.host, cfg.protocol, cfg.device_names)
+        staging = sum(region_layout(self.mcfg, i, cfg.max_prompt_tokens, dtype).nbytes for i in self.layers)
+        self.staging = torch.zeros(staging, dtype=torch.uint8, device=device)
+        self.engine.register(self.staging)
+        log.info("stage %d: layers %s%s on %s, staging %.1f MiB, mooncake %s", stage, layers,
+                 " + drafter context" if self.drafter else "", device, staging / 2**20, self.engine.session)
+
+    @property
+    def hidden_shape(self) -> tuple[int, int]:
+        return self.mcfg.hc_mult, self.mcfg.hidden_size
+
+    def run(self, job: Job, recv: Callable[[int], torch.Tensor], send: Callable[[torch.Tensor], None]
+            ) -> StageReport:
+        """Prefill one job through this stage's layers; recv(k)/send(streams) talk to the neighbour stages."""
+        rep = StageReport(self.stage, job.request_id)
+        rc = self.alloc.admit()
+        t0 = time.perf_counter()
+        try:
+            self.alloc.reserve(rc, len(job.token_ids))
+            self.pool.clear_slot(rc.slot)
+            ids, n = list(job.token_ids), len(job.token_ids)
+            shipper = _Shipper(self, job, rc, n, rep)
+            chunk = self.cfg.chunk_tokens
+            for c0 in range(0, n, chunk):
+                part = ids[c0:c0 + chunk]
+                final = c0 + chunk >= n
+                batch = make_batch([(rc, part)], self.ratios, self.device)
+                streams = None if self.model.has_embed else recv(len(part))
+                out = self.model.extend(batch, self.pool, streams, capture=self._aux(),
+                                        on_layer=shipper.on_layer(batch, final))
+                rc.tokens += len(part)
+                if not self.last:
+                    send(out.streams)
+                else:
+                    self._context(batch, out.aux, final, shipper)
+                    if final:
+                        self._first_token(job, out.streams[:, -1], rep)
+            rep.compute_s = time.perf_counter() - t0
+            shipper.finish()
+        finally:
+            self.alloc.release(rc)
+        return rep
+
+    def _aux(self) -> tuple[int, ...]:
+        return tuple(self.mcfg.dspark_target_layer_ids) if self.drafter is not None else ()
+
+    @torch.inference_mode()
+    def _context(self, batch, aux, final: bool, shipper: "_Shipper") -> None:
+        if self.drafter is None:
+            return
+        k = torch.tensor([batch.input_ids.shape[1]], device=self.device)
+        for layer, rows in zip(self.drafter.layer_ids, self.drafter(aux, batch.positions)):
+            self.pool.commit_rows(layer, batch, rows, k)
+            if final:
+                shipper.ship(layer)
+
+    @torch.inference_mode()
+    def _first_token(self, job: Job, streams: torch.Tensor, rep: StageReport) -> None:
+        logits = self.model.logits(streams)  # [1, V]
+        dev = logits.device
+        probs = probs_from_logits(logits, torch.tensor([job.temperature], device=dev),
+                                  torch.tensor([job.top_p], device=dev))
+        tok = sample_from_probs(probs, torch.tensor([job.seed], device=dev),
+                                torch.tensor([len(job.token_ids)], device=dev), TARGET)
+        rep.first_token = int(tok)
+        rep.first_logprob = float(torch.log_softmax(logits, -1)[0, tok])
+
+
+class _Shipper:
+    """Commits each finished layer and, on the final chunk, packs it into staging and starts its write.
+
+    A transfer failure is recorded in the report and stops further shipping, but never the compute: every stage
+    keeps exchanging activations with its neighbours, so the pipe stays in step for the next job."""
+
+    def __init__(self, worker: StageWorker, job: Job, rc, tokens: int, rep: StageReport):
+        self.w, self.job, self.rc, self.tokens, self.rep = worker, job, rc, tokens, rep
+        self.offset, self.batches = 0, []
+
+    def on_layer(self, batch, final: bool):
+        k = torch.tensor([batch.input_ids.shape[1]], device=self.w.device)
+
+        def hook(layer, pending):
+            self.w.pool.commit(batch, {layer: pending}, k)
+            if final:
+                self.ship(layer)
+        return hook
+
+    def ship(self, layer: int) -> None:
+        if self.rep.error is not None:
+            return
+        try:
+            self._ship(layer)
+        except TransferError as e:
+            self.rep.error = f"UNAVAILABLE: {e}"
+
+    def _ship(self, layer: int) -> None:
+        w = self.w
+        layout = region_layout(w.mcfg, layer, self.tokens, w.dtype)
+        region = w.staging[self.offset:self.offset + layout.nbytes]
+        table = self.rc.tables.get(w.mcfg.ratio(layer) if layer < w.mcfg.num_hidden_layers else 0, [])
+        pack_layer(w.pool, layout, self.rc.slot, table, region)
+        if region.is_cuda:
+            torch.cuda.current_stream(region.device).synchronize()  # the engine reads staging directly
+        self.batches += w.engine.submit(self.job.session, [Write(region.data_ptr(), self.job.regions[layer],
+                                                                 layout.nbytes)])
+        self.offset += -(-layout.nbytes // 64) * 64
+        self.rep.bytes += layout.nbytes
+
+    def finish(self) -> None:
+        t = time.perf_counter()
+        try:
+            self.w.engine.wait(self.job.session, self.batches)
+        except TransferError as e:
+            self.rep.error = self.rep.error or f"UNAVAILABLE: {e}"
+        finally:
+            self.rep.transfer_wait_s = time.perf_counter() - t

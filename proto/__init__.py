@@ -1,0 +1,1 @@
+"""gRPC contract between the decode and prefill services (generated stubs beside prefill.proto)."""
