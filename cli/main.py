@@ -9,6 +9,7 @@ import sys
 from . import options
 from .checkpoint import MakeCheckpointConfig
 from .generate import GenerateConfig
+from decode_service.config import DecodeConfig
 from prefill_service.config import PrefillConfig
 
 
@@ -22,6 +23,8 @@ def _parser() -> argparse.ArgumentParser:
     options.add_options(gen, GenerateConfig)
     pre = sub.add_parser("serve-prefill", help="run the pipeline-parallel gRPC prefill service")
     options.add_options(pre, PrefillConfig)
+    dec = sub.add_parser("serve-decode", help="run the OpenAI-compatible decode service")
+    options.add_options(dec, DecodeConfig)
     return p
 
 
@@ -35,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "generate":
             from .generate import run
             return run(options.build(GenerateConfig, ns))
+        if ns.command == "serve-decode":
+            from decode_service.serve import serve
+            return serve(options.build(DecodeConfig, ns), ns.log_level.upper())
         if ns.command == "serve-prefill":
             from prefill_service.server import serve
             return serve(options.build(PrefillConfig, ns), ns.log_level.upper())

@@ -56,10 +56,30 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"token ids outside the vocabulary (0..{self.cfg.vocab_size - 1}): {bad[:5]}")
-        req = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params)
-        self.stops[req.request_id] = StopChecker(self.tokenizer, params, self._eos)
+        req = self._new_request(prompt_ids, params, request_id)
         self.scheduler.add(req)
         return req
+
+    def _new_request(self, prompt_ids, params, request_id) -> Request:
+        req = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params)
+        self.stops[req.request_id] = StopChecker(self.tokenizer, params, self._eos)
+        return req
+
+    def install(self, prompt_ids: list[int], params: SamplingParams, first: tuple[int, float, list],
+                unpack, request_id: str | None = None) -> tuple[Request, StepOutput]:
+        """Admit a request prefilled elsewhere: unpack(pool, slot, tables) writes its state into the cache, and
+        `first` = (token, logprob, top alternatives) is its first output token (already sampled by prefill)."""
+        req = self._new_request(prompt_ids, params, request_id)
+        self.scheduler.admit_now(req)
+        try:
+            self.runner.pool.clear_slot(req.cache.slot)
+            unpack(self.runner.pool, req.cache.slot, req.cache.tables)
+        except Exception:
+            self._finish(req, "abort")
+            raise
+        req.cache.tokens = len(prompt_ids)
+        token, logprob, top = first
+        return req, self._append(req, [token], [logprob], [top] if params.logprobs else [])
 
     @property
     def _eos(self) -> int:
@@ -131,11 +151,12 @@ class Engine:
         logp = torch.log_softmax(logits, -1)
         drafts = draft.tokens.tolist()
         outputs = []
+        tops = _top_logprobs(logp[:n_real], reqs)
         for i, (r, n, t) in enumerate(zip(reqs, n_acc.tolist(), last.tolist())):
             ids = drafts[i][:n] + [t]
             lps = logp[i, torch.arange(n + 1), torch.tensor(ids, device=logp.device)].tolist()
             r.drafted, r.accepted = r.drafted + b, r.accepted + n
-            outputs.append(self._append(r, ids, lps))
+            outputs.append(self._append(r, ids, lps, tops[i][:n + 1]))
         return outputs
 
     @staticmethod
@@ -163,24 +184,28 @@ class Engine:
         counter = torch.tensor([len(r.all_ids) for r in reqs], device=dev)
         probs = probs_from_logits(logits, temp, top_p)
         ids = sample_from_probs(probs, seed, counter, TARGET)
-        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, None]).squeeze(-1)
-        return [self._append(r, [int(t)], [float(lp)]) for r, t, lp in zip(reqs, ids.tolist(), logp.tolist())]
+        logp_all = torch.log_softmax(logits, -1)
+        logp = logp_all.gather(-1, ids[:, None]).squeeze(-1)
+        tops = _top_logprobs(logp_all[:, None], reqs)
+        return [self._append(r, [int(t)], [float(lp)], top) for r, t, lp, top in
+                zip(reqs, ids.tolist(), logp.tolist(), tops)]
 
-    def _append(self, req: Request, ids: list[int], logps: list[float]) -> StepOutput:
+    def _append(self, req: Request, ids: list[int], logps: list[float], tops: list | None = None) -> StepOutput:
         stop = self.stops[req.request_id]
-        kept, kept_lp, reason = [], [], None
+        kept, reason = 0, None
         for t, lp in zip(ids, logps):
-            kept.append(t)
-            kept_lp.append(lp)
+            kept += 1
             req.output_ids.append(t)
             req.logprobs.append(lp)
             reason = stop.check(req)
             if reason:
                 break
+        tops = (tops or [])[:kept]
+        req.top_logprobs.extend(tops)
         req.steps += 1
         if reason:
             self._finish(req, reason)
-        return StepOutput(req.request_id, kept, kept_lp, reason is not None, reason)
+        return StepOutput(req.request_id, ids[:kept], logps[:kept], reason is not None, reason, tops)
 
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.finish(req, reason)
@@ -193,3 +218,14 @@ class Engine:
             for o in self.step():
                 if o.request_id == req.request_id:
                     yield o
+
+
+def _top_logprobs(logp: torch.Tensor, reqs: list[Request]) -> list[list[list[tuple[int, float]]]]:
+    """logp [B, K, V] -> per request, per position, its `params.logprobs` most likely (token, logprob)."""
+    k = max((r.params.logprobs or 0) for r in reqs)
+    if k == 0:
+        return [[] for _ in reqs]
+    top = logp.topk(k, dim=-1)
+    ids, vals = top.indices.tolist(), top.values.tolist()
+    return [[list(zip(i[: r.params.logprobs or 0], v[: r.params.logprobs or 0])) for i, v in zip(ids[b], vals[b])]
+            if r.params.logprobs else [[] for _ in ids[b]] for b, r in enumerate(reqs)]

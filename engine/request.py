@@ -22,6 +22,7 @@ class Request:
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # of each output token under the target
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # when params.logprobs asks
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     cache: RequestCache | None = None
@@ -47,3 +48,4 @@ class StepOutput:
     new_logprobs: list[float]
     finished: bool
     finish_reason: str | None
+    new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

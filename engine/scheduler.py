@@ -30,6 +30,19 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def admit_now(self, req: Request) -> None:
+        """Admit a request whose state arrives from elsewhere (a prefill service): it joins the running set."""
+        worst = len(req.prompt_ids) + req.params.max_tokens + self.lookahead
+        req.cache = self.alloc.admit()
+        try:
+            self.alloc.reserve(req.cache, worst)
+        except Exception:
+            self.alloc.release(req.cache)
+            req.cache = None
+            raise
+        req.status = Status.RUNNING
+        self.running.append(req)
+
     def schedule(self) -> Schedule:
         admitted = []
         while self.waiting and len(self.running) + len(admitted) < self.max_running:

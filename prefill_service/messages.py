@@ -14,6 +14,7 @@ class Job:
     seed: int
     session: str  # the receiver's Mooncake session
     regions: dict[int, int]  # layer -> destination address
+    top_logprobs: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,4 +35,4 @@ class StageReport:
     error: str | None = None  # a transfer failure (the peer) or a compute failure
     first_token: int | None = None  # last stage only
     first_logprob: float | None = None
-    extra: dict = field(default_factory=dict)
+    first_top: list[tuple[int, float]] = field(default_factory=list)

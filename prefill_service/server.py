@@ -88,7 +88,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                  sum(r.bytes for r in out.reports))
         return prefill_pb2.PrefillReply(request_id=job.request_id, first_token=last.first_token,
                                         first_logprob=last.first_logprob, bytes_moved=sum(r.bytes for r in out.reports),
-                                        stages=stages, queue_s=out.queue_s)
+                                        stages=stages, queue_s=out.queue_s,
+                                        first_top_logprobs=[prefill_pb2.TokenLogprob(token=t, logprob=lp)
+                                                            for t, lp in last.first_top])
 
     async def Cancel(self, request, context):
         found = await self.driver.cancel(request.request_id)
@@ -111,8 +113,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         if out:
             raise _Refused(bad, f"token id {out[1]} at position {out[0]} is outside the vocabulary (0..{vocab - 1})")
         s = req.sampling
-        if s.temperature < 0 or not 0 <= s.top_p <= 1:
-            raise _Refused(bad, f"sampling: temperature {s.temperature} must be >= 0 and top_p {s.top_p} in (0, 1]")
+        if s.temperature < 0 or not 0 <= s.top_p <= 1 or not 0 <= s.top_logprobs <= 20:
+            raise _Refused(bad, f"sampling: temperature {s.temperature} must be >= 0, top_p {s.top_p} in (0, 1], "
+                                f"top_logprobs {s.top_logprobs} in 0..20")
         d = req.destination
         if not SESSION.match(d.session):
             raise _Refused(bad, f"destination.session {d.session!r} is not 'ip:port'")
@@ -125,7 +128,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 raise _Refused(bad, f"region for layer {layer} is {r.nbytes} bytes at {r.address:#x}; "
                                     f"the layout needs {need} bytes")
         return Job(req.request_id, tuple(ids), s.temperature, s.top_p or 1.0, s.seed, d.session,
-                   {layer: r.address for layer, r in regions.items()})
+                   {layer: r.address for layer, r in regions.items()}, s.top_logprobs)
 
 
 class _Refused(Exception):

@@ -107,8 +107,12 @@ class StageWorker:
                                   torch.tensor([job.top_p], device=dev))
         tok = sample_from_probs(probs, torch.tensor([job.seed], device=dev),
                                 torch.tensor([len(job.token_ids)], device=dev), TARGET)
+        logp = torch.log_softmax(logits, -1)[0]
         rep.first_token = int(tok)
-        rep.first_logprob = float(torch.log_softmax(logits, -1)[0, tok])
+        rep.first_logprob = float(logp[tok])
+        if job.top_logprobs:
+            top = logp.topk(job.top_logprobs)
+            rep.first_top = list(zip(top.indices.tolist(), top.values.tolist()))
 
 
 class _Shipper:

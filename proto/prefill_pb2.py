@@ -14,7 +14,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/prefill.proto\x12\x11\x64spark.prefill.v1\"<\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"8\n\x06Region\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"J\n\x0b\x44\x65stination\x12\x0f\n\x07session\x18\x01 \x01(\t\x12*\n\x07regions\x18\x02 \x03(\x0b\x32\x19.dspark.prefill.v1.Region\"\xb0\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.dspark.prefill.v1.Sampling\x12\x33\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x1e.dspark.prefill.v1.Destination\x12\x13\n\x0blayout_hash\x18\x05 \x01(\t\"W\n\x0bStageTiming\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x17\n\x0ftransfer_wait_s\x18\x03 \x01(\x01\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\"\xa4\x01\n\x0cPrefillReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12\x15\n\rfirst_logprob\x18\x03 \x01(\x02\x12\x13\n\x0b\x62ytes_moved\x18\x04 \x01(\x04\x12.\n\x06stages\x18\x05 \x03(\x0b\x32\x1e.dspark.prefill.v1.StageTiming\x12\x0f\n\x07queue_s\x18\x06 \x01(\x01\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1c\n\x0b\x43\x61ncelReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"C\n\tStageInfo\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x13\n\x0b\x66irst_layer\x18\x02 \x01(\x05\x12\x12\n\nlast_layer\x18\x03 \x01(\x05\"\xcd\x01\n\tInfoReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0blayout_hash\x18\x02 \x01(\t\x12,\n\x06stages\x18\x03 \x03(\x0b\x32\x1c.dspark.prefill.v1.StageInfo\x12\x13\n\x0b\x63\x61\x63he_dtype\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x16\n\x0e\x64rafter_layers\x18\x06 \x01(\x05\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\x12\x19\n\x11max_prompt_tokens\x18\x08 \x01(\x05\x32\xf4\x01\n\x0ePrefillService\x12M\n\x07Prefill\x12!.dspark.prefill.v1.PrefillRequest\x1a\x1f.dspark.prefill.v1.PrefillReply\x12J\n\x06\x43\x61ncel\x12 .dspark.prefill.v1.CancelRequest\x1a\x1e.dspark.prefill.v1.CancelReply\x12G\n\x07GetInfo\x12\x1e.dspark.prefill.v1.InfoRequest\x1a\x1c.dspark.prefill.v1.InfoReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/prefill.proto\x12\x11\x64spark.prefill.v1\"R\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x14\n\x0ctop_logprobs\x18\x04 \x01(\x05\".\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"8\n\x06Region\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"J\n\x0b\x44\x65stination\x12\x0f\n\x07session\x18\x01 \x01(\t\x12*\n\x07regions\x18\x02 \x03(\x0b\x32\x19.dspark.prefill.v1.Region\"\xb0\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.dspark.prefill.v1.Sampling\x12\x33\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x1e.dspark.prefill.v1.Destination\x12\x13\n\x0blayout_hash\x18\x05 \x01(\t\"W\n\x0bStageTiming\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x17\n\x0ftransfer_wait_s\x18\x03 \x01(\x01\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\"\xe1\x01\n\x0cPrefillReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12\x15\n\rfirst_logprob\x18\x03 \x01(\x02\x12\x13\n\x0b\x62ytes_moved\x18\x04 \x01(\x04\x12.\n\x06stages\x18\x05 \x03(\x0b\x32\x1e.dspark.prefill.v1.StageTiming\x12\x0f\n\x07queue_s\x18\x06 \x01(\x01\x12;\n\x12\x66irst_top_logprobs\x18\x07 \x03(\x0b\x32\x1f.dspark.prefill.v1.TokenLogprob\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1c\n\x0b\x43\x61ncelReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"C\n\tStageInfo\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x13\n\x0b\x66irst_layer\x18\x02 \x01(\x05\x12\x12\n\nlast_layer\x18\x03 \x01(\x05\"\xcd\x01\n\tInfoReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0blayout_hash\x18\x02 \x01(\t\x12,\n\x06stages\x18\x03 \x03(\x0b\x32\x1c.dspark.prefill.v1.StageInfo\x12\x13\n\x0b\x63\x61\x63he_dtype\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x16\n\x0e\x64rafter_layers\x18\x06 \x01(\x05\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\x12\x19\n\x11max_prompt_tokens\x18\x08 \x01(\x05\x32\xf4\x01\n\x0ePrefillService\x12M\n\x07Prefill\x12!.dspark.prefill.v1.PrefillRequest\x1a\x1f.dspark.prefill.v1.PrefillReply\x12J\n\x06\x43\x61ncel\x12 .dspark.prefill.v1.CancelRequest\x1a\x1e.dspark.prefill.v1.CancelReply\x12G\n\x07GetInfo\x12\x1e.dspark.prefill.v1.InfoRequest\x1a\x1c.dspark.prefill.v1.InfoReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -22,27 +22,29 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.prefill_pb2', _global
 if _descriptor._USE_C_DESCRIPTORS == False:
   DESCRIPTOR._options = None
   _globals['_SAMPLING']._serialized_start=42
-  _globals['_SAMPLING']._serialized_end=102
-  _globals['_REGION']._serialized_start=104
-  _globals['_REGION']._serialized_end=160
-  _globals['_DESTINATION']._serialized_start=162
-  _globals['_DESTINATION']._serialized_end=236
-  _globals['_PREFILLREQUEST']._serialized_start=239
-  _globals['_PREFILLREQUEST']._serialized_end=415
-  _globals['_STAGETIMING']._serialized_start=417
-  _globals['_STAGETIMING']._serialized_end=504
-  _globals['_PREFILLREPLY']._serialized_start=507
-  _globals['_PREFILLREPLY']._serialized_end=671
-  _globals['_CANCELREQUEST']._serialized_start=673
-  _globals['_CANCELREQUEST']._serialized_end=708
-  _globals['_CANCELREPLY']._serialized_start=710
-  _globals['_CANCELREPLY']._serialized_end=738
-  _globals['_INFOREQUEST']._serialized_start=740
-  _globals['_INFOREQUEST']._serialized_end=753
-  _globals['_STAGEINFO']._serialized_start=755
-  _globals['_STAGEINFO']._serialized_end=822
-  _globals['_INFOREPLY']._serialized_start=825
-  _globals['_INFOREPLY']._serialized_end=1030
-  _globals['_PREFILLSERVICE']._serialized_start=1033
-  _globals['_PREFILLSERVICE']._serialized_end=1277
+  _globals['_SAMPLING']._serialized_end=124
+  _globals['_TOKENLOGPROB']._serialized_start=126
+  _globals['_TOKENLOGPROB']._serialized_end=172
+  _globals['_REGION']._serialized_start=174
+  _globals['_REGION']._serialized_end=230
+  _globals['_DESTINATION']._serialized_start=232
+  _globals['_DESTINATION']._serialized_end=306
+  _globals['_PREFILLREQUEST']._serialized_start=309
+  _globals['_PREFILLREQUEST']._serialized_end=485
+  _globals['_STAGETIMING']._serialized_start=487
+  _globals['_STAGETIMING']._serialized_end=574
+  _globals['_PREFILLREPLY']._serialized_start=577
+  _globals['_PREFILLREPLY']._serialized_end=802
+  _globals['_CANCELREQUEST']._serialized_start=804
+  _globals['_CANCELREQUEST']._serialized_end=839
+  _globals['_CANCELREPLY']._serialized_start=841
+  _globals['_CANCELREPLY']._serialized_end=869
+  _globals['_INFOREQUEST']._serialized_start=871
+  _globals['_INFOREQUEST']._serialized_end=884
+  _globals['_STAGEINFO']._serialized_start=886
+  _globals['_STAGEINFO']._serialized_end=953
+  _globals['_INFOREPLY']._serialized_start=956
+  _globals['_INFOREPLY']._serialized_end=1161
+  _globals['_PREFILLSERVICE']._serialized_start=1164
+  _globals['_PREFILLSERVICE']._serialized_end=1408
 # @@protoc_insertion_point(module_scope)

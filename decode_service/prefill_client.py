@@ -1,0 +1,107 @@
+"""The decode service's side of gRPC: prefill peers, readiness (GetInfo with a matching layout hash), the choice
+of peer (least outstanding prefill tokens), Prefill calls with deadlines and Cancel."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from proto import prefill_pb2, prefill_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class LayoutMismatch(RuntimeError):
+    pass
+
+
+class PrefillUnavailable(RuntimeError):
+    """A prefill could not be done; `safe` tells whether the peer can still write into the regions."""
+
+    def __init__(self, message: str, safe: bool):
+        super().__init__(message)
+        self.safe = safe
+
+
+@dataclass
+class Peer:
+    address: str
+    stub: prefill_pb2_grpc.PrefillServiceStub
+    channel: grpc.aio.Channel
+    ready: bool = False
+    outstanding_tokens: int = 0
+    info: prefill_pb2.InfoReply | None = None
+
+
+class PrefillPeers:
+    def __init__(self, addresses: list[str], layout_hash: str):
+        self.layout_hash = layout_hash
+        self._where: dict[str, Peer] = {}  # request id -> peer prefilling it
+        self.peers = []
+        for a in addresses:
+            ch = grpc.aio.insecure_channel(a)
+            self.peers.append(Peer(a, prefill_pb2_grpc.PrefillServiceStub(ch), ch))
+
+    @property
+    def ready(self) -> bool:
+        return any(p.ready for p in self.peers)
+
+    async def check(self, timeout_s: float = 2.0) -> None:
+        """Refresh readiness; raises LayoutMismatch if a peer runs another model or layout."""
+        for p in self.peers:
+            try:
+                info = await p.stub.GetInfo(prefill_pb2.InfoRequest(), timeout=timeout_s)
+            except grpc.aio.AioRpcError as e:
+                if p.ready:
+                    log.warning("prefill peer %s stopped answering: %s", p.address, e.code().name)
+                p.ready = False
+                continue
+            if info.layout_hash != self.layout_hash:
+                raise LayoutMismatch(f"prefill peer {p.address} has layout hash {info.layout_hash!r}, this decode "
+                                     f"service has {self.layout_hash!r} (different model, dtype or version)")
+            if not p.ready:
+                log.info("prefill peer %s ready (%d stage(s), model %s)", p.address, len(info.stages), info.model)
+            p.ready, p.info = True, info
+
+    def _pick(self) -> Peer:
+        ready = [p for p in self.peers if p.ready] or self.peers
+        return min(ready, key=lambda p: p.outstanding_tokens)
+
+    async def prefill(self, request: prefill_pb2.PrefillRequest, timeout_s: float) -> prefill_pb2.PrefillReply:
+        peer = self._pick()
+        n = len(request.token_ids)
+        peer.outstanding_tokens += n
+        self._where[request.request_id] = peer
+        try:
+            return await peer.stub.Prefill(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            code = e.code()
+            if code == grpc.StatusCode.UNAVAILABLE:
+                peer.ready = False
+            # the service answered, so its round is over (nothing writes any more) unless the deadline cut us off
+            safe = code not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+            if not safe:
+                safe = await self.cancel(peer, request.request_id)
+            raise PrefillUnavailable(f"prefill on {peer.address} failed: {code.name}: {e.details()}", safe) from e
+        finally:
+            peer.outstanding_tokens -= n
+            self._where.pop(request.request_id, None)
+
+    async def cancel_request(self, request_id: str, peer: Peer | None = None) -> bool:
+        """Cancel a prefill in flight (the caller went away); True once nothing writes for it any more."""
+        peer = peer or self._where.get(request_id)
+        return peer is not None and await self.cancel(peer, request_id)
+
+    async def cancel(self, peer: Peer, request_id: str) -> bool:
+        """True once the peer acknowledged that nothing writes for the request any more."""
+        try:
+            await peer.stub.Cancel(prefill_pb2.CancelRequest(request_id=request_id), timeout=30)
+            return True
+        except grpc.aio.AioRpcError:
+            return False
+
+    async def close(self) -> None:
+        for p in self.peers:
+            await p.channel.close()

@@ -1,0 +1,64 @@
+"""Building the decode side's runtime from its config: model (+ drafter), engine, Mooncake arena, prefill peers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import torch
+
+import model
+from cli.generate import resolve_device
+from engine.engine import Engine
+from engine.proposer import DSparkProposer
+from engine.runner import CacheSizing
+from model.checkpoint import load_drafter
+from model.tokenizer import Tokenizer
+from transfer.layout import layout_hash
+from transfer.mooncake import MooncakeEngine
+
+from .admission import Admission
+from .config import DecodeConfig
+from .generation import ServiceContext
+from .kv_receiver import KVReceiver
+from .metrics import DecodeMetrics
+from .worker import EngineWorker
+
+log = logging.getLogger(__name__)
+
+
+def model_name(cfg: DecodeConfig) -> str:
+    return cfg.served_model_name or Path(cfg.model).resolve().name
+
+
+def build_context(cfg: DecodeConfig, loop: asyncio.AbstractEventLoop) -> ServiceContext:
+    """Everything but the prefill peers (whose gRPC channels belong to the event loop)."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device, dtype = resolve_device(cfg.device, cfg.dtype)
+    target = model.load(cfg.model, device=device, dtype=dtype, qat_sim=cfg.qat_sim)
+    mcfg = target.cfg
+    if cfg.max_model_len > mcfg.max_position_embeddings:
+        raise ValueError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings "
+                         f"{mcfg.max_position_embeddings}")
+    max_model_len = cfg.max_model_len or min(mcfg.max_position_embeddings, cfg.cache_tokens)
+    proposer = None
+    if cfg.spec and mcfg.has_dspark:
+        proposer = DSparkProposer(load_drafter(cfg.model, device=device, dtype=dtype, qat_sim=cfg.qat_sim), target)
+    tokenizer = Tokenizer(cfg.model)
+    sizing = CacheSizing(max_requests=cfg.max_running, max_tokens=cfg.cache_tokens)
+    engine = Engine(target, tokenizer, sizing, proposer=proposer)
+    mooncake = MooncakeEngine(cfg.host, cfg.protocol, cfg.device_names)
+    receiver = KVReceiver(mcfg, dtype, mooncake, cfg.arena_mib << 20, device)
+    metrics = DecodeMetrics()
+    worker = EngineWorker(engine, receiver, loop, metrics, cfg.threads)
+    lookahead = proposer.block_size + 1 if proposer else 1
+    h = layout_hash(mcfg, dtype)
+    log.info("decode runtime: %s on %s as %s, speculation %s, layout %s, mooncake %s", cfg.model, device, dtype,
+             f"DSpark block {proposer.block_size}" if proposer else "off", h, mooncake.session)
+    return ServiceContext(cfg=cfg, model_name=model_name(cfg), tokenizer=tokenizer, worker=worker, receiver=receiver,
+                          peers=None, admission=Admission(cfg.max_running, cfg.max_queued,
+                                                                                cfg.cache_tokens),
+                          metrics=metrics, layout_hash=h, vocab_size=mcfg.vocab_size, lookahead=lookahead,
+                          eos_id=mcfg.eos_token_id, max_model_len=max_model_len)
