@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 demo: setup
-	$(VENV)/bin/dspark-pd generate --prompt "Hello! Could you help me with a short question about trains?" --max-tokens 48
+	$(VENV)/bin/dspark-pd demo
 
 test: setup
 	$(PY) -m pytest -q

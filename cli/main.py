@@ -9,6 +9,7 @@ import sys
 from . import options
 from .checkpoint import MakeCheckpointConfig
 from .generate import GenerateConfig
+from .pair import DemoConfig, UpConfig
 from decode_service.config import DecodeConfig
 from prefill_service.config import PrefillConfig
 
@@ -25,6 +26,10 @@ def _parser() -> argparse.ArgumentParser:
     options.add_options(pre, PrefillConfig)
     dec = sub.add_parser("serve-decode", help="run the OpenAI-compatible decode service")
     options.add_options(dec, DecodeConfig)
+    upp = sub.add_parser("up", help="start prefill and decode on this machine (Ctrl-C stops both)")
+    options.add_options(upp, UpConfig)
+    dem = sub.add_parser("demo", help="the pair on the bundled tiny checkpoint, a few chat requests, metrics")
+    options.add_options(dem, DemoConfig)
     return p
 
 
@@ -38,13 +43,19 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "generate":
             from .generate import run
             return run(options.build(GenerateConfig, ns))
+        if ns.command == "up":
+            from .pair import up
+            return up(options.build(UpConfig, ns))
+        if ns.command == "demo":
+            from .pair import demo
+            return demo(options.build(DemoConfig, ns))
         if ns.command == "serve-decode":
             from decode_service.serve import serve
             return serve(options.build(DecodeConfig, ns), ns.log_level.upper())
         if ns.command == "serve-prefill":
             from prefill_service.server import serve
             return serve(options.build(PrefillConfig, ns), ns.log_level.upper())
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:
         print(f"dspark-pd {ns.command}: error: {e}", file=sys.stderr)
         return 2
     return 1
