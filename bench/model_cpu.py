@@ -6,6 +6,11 @@ on the same weights, in one run. Prints a table with ratios (ours / transformers
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path[0] = str(Path(__file__).resolve().parent.parent)  # the repository, not bench/ (bench/transfer.py vs transfer/)
+
 import argparse
 import tempfile
 import time

@@ -7,6 +7,11 @@ accepted). Prints a table with ratios against the non-speculative run. Never ass
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path[0] = str(Path(__file__).resolve().parent.parent)  # the repository, not bench/ (bench/transfer.py vs transfer/)
+
 import argparse
 import dataclasses
 import time

@@ -48,7 +48,8 @@ def build_context(cfg: DecodeConfig, loop: asyncio.AbstractEventLoop) -> Service
         proposer = DSparkProposer(load_drafter(cfg.model, device=device, dtype=dtype, qat_sim=cfg.qat_sim), target)
     tokenizer = Tokenizer(cfg.model)
     sizing = CacheSizing(max_requests=cfg.max_running, max_tokens=cfg.cache_tokens)
-    engine = Engine(target, tokenizer, sizing, proposer=proposer)
+    engine = Engine(target, tokenizer, sizing, proposer=proposer, cuda_graphs=cfg.cuda_graphs,
+                    max_model_len=max_model_len)
     mooncake = MooncakeEngine(cfg.host, cfg.protocol, cfg.device_names)
     receiver = KVReceiver(mcfg, dtype, mooncake, cfg.arena_mib << 20, device)
     metrics = DecodeMetrics()

@@ -19,7 +19,8 @@ from kernels.step_inputs import verify_inputs
 from model.target import Transformer
 from model.tokenizer import Tokenizer
 
-from .batch import bucket_for
+from .batch import BUCKETS, bucket_for
+from .graphs import StepGraphs
 from .request import Request, StepOutput
 from .runner import CacheSizing, ModelRunner
 from .proposer import DraftRows, Proposer
@@ -32,7 +33,10 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None, sizing: CacheSizing = CacheSizing(),
-                 prefill_chunk: int = 512, proposer: Proposer | None = None):
+                 prefill_chunk: int = 512, proposer: Proposer | None = None, cuda_graphs: bool = False,
+                 max_model_len: int | None = None):
+        """cuda_graphs: capture the decode step per batch bucket (CUDA only); max_model_len bounds one request's
+        tokens (it sets the graphs' block-table width)."""
         self.proposer = proposer
         self.runner = ModelRunner(model, sizing, extra_layers=proposer.layers if proposer else ())
         self.tokenizer = tokenizer
@@ -41,6 +45,12 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.stops: dict[str, StopChecker] = {}
         self._ids = itertools.count()
+        self.graphs = None
+        if cuda_graphs and self.runner.device.type == "cuda":
+            limit = max_model_len or min(model.cfg.max_position_embeddings, sizing.max_tokens)
+            buckets = tuple(b for b in BUCKETS if b <= bucket_for(sizing.max_requests))
+            self.graphs = StepGraphs(self.runner, proposer, lookahead, buckets, limit + lookahead)
+            self.graphs.capture()
 
     @property
     def cfg(self):
@@ -122,23 +132,30 @@ class Engine:
             return self._spec_decode(reqs)
         rows = [(r.cache, [r.last_token]) for r in reqs]
         batch = self.runner.batch(rows, pad_to=bucket_for(len(rows)))
-        out = self.runner.extend(batch)
+        out, logits = self._verify(batch, ())
         self.runner.commit([r.cache for r in reqs], batch, out, [1] * len(reqs))
+        return self._emit(reqs, logits[: len(reqs), -1])
+
+    def _verify(self, batch, capture) -> tuple:
+        """The target forward of a decode step (graphed when a graph exists for the bucket): (out, logits)."""
+        if self.graphs is not None and self.graphs.has(batch.input_ids.shape[0]):
+            return self.graphs.verify(batch)
+        out = self.runner.extend(batch, capture=capture)
         with torch.inference_mode():
-            logits = self.runner.model.logits(out.streams[: len(reqs), -1])
-        return self._emit(reqs, logits)
+            return out, self.runner.model.logits(out.streams)
 
     def _spec_decode(self, reqs: list[Request]) -> list[StepOutput]:
         b, bp, n_real = self.proposer.block_size, bucket_for(len(reqs)), len(reqs)
         pad = bp - n_real
         rows = self._draft_rows(reqs, pad)
-        draft = self.proposer.propose(self.runner.pool, rows)
+        if self.graphs is not None and self.graphs.has(bp):
+            draft = self.graphs.propose(rows)
+        else:
+            draft = self.proposer.propose(self.runner.pool, rows)
         batch = self.runner.batch([(r.cache, [0] * (b + 1)) for r in reqs], pad_to=bp)
         ids, _ = verify_inputs(rows.anchor, draft.tokens, rows.start, n_real)  # drafts stay on the device
         batch = dataclasses.replace(batch, input_ids=ids)
-        out = self.runner.extend(batch, capture=self.proposer.capture)
-        with torch.inference_mode():
-            logits = self.runner.model.logits(out.streams)  # [bp, b+1, V]
+        out, logits = self._verify(batch, self.proposer.capture)  # logits [bp, b+1, V]
         v = logits.shape[-1]
         p = probs_from_logits(logits.flatten(0, 1), rows.temperature.repeat_interleave(b + 1),
                               rows.top_p.repeat_interleave(b + 1)).view(bp, b + 1, v)
