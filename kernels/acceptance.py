@@ -92,6 +92,7 @@ def accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u_accept: tor
     p, q = p.float().contiguous(), q.float().contiguous()
     n = torch.empty(bsz, dtype=torch.int64, device=p.device)
     tok = torch.empty(bsz, dtype=torch.int64, device=p.device)
-    _kernel[(bsz,)](p, q, drafts.contiguous(), u_accept.float().contiguous(), u_sample.float().contiguous(), n, tok,
-                    V=v, BLOCK_V=min(1024, triton.next_power_of_2(v)), NB=b)
+    with torch.cuda.device(p.device):  # launch on the tensors' GPU
+        _kernel[(bsz,)](p, q, drafts.contiguous(), u_accept.float().contiguous(), u_sample.float().contiguous(), n, tok,
+                        V=v, BLOCK_V=min(1024, triton.next_power_of_2(v)), NB=b)
     return n, tok

@@ -45,6 +45,7 @@ def verify_inputs(anchor: torch.Tensor, drafts: torch.Tensor, start: torch.Tenso
         return verify_inputs_ref(anchor, drafts, start, n_real)
     ids = torch.empty(b, nb + 1, dtype=torch.int64, device=drafts.device)
     pos = torch.empty_like(ids)
-    _kernel[(b,)](anchor.long().contiguous(), drafts.long().contiguous(), start.long().contiguous(), ids, pos, n_real,
-                  NB=nb, BLOCK=triton.next_power_of_2(nb + 1))
+    with torch.cuda.device(drafts.device):  # launch on the tensors' GPU
+        _kernel[(b,)](anchor.long().contiguous(), drafts.long().contiguous(), start.long().contiguous(), ids, pos, n_real,
+                      NB=nb, BLOCK=triton.next_power_of_2(nb + 1))
     return ids, pos
