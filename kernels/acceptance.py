@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import use_triton
+from . import on_device, use_triton
 
 
 def accept_ref(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u_accept: torch.Tensor,
@@ -92,7 +92,7 @@ def accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u_accept: tor
     p, q = p.float().contiguous(), q.float().contiguous()
     n = torch.empty(bsz, dtype=torch.int64, device=p.device)
     tok = torch.empty(bsz, dtype=torch.int64, device=p.device)
-    with torch.cuda.device(p.device):  # launch on the tensors' GPU
+    with on_device(p):  # launch on the tensors' GPU
         _kernel[(bsz,)](p, q, drafts.contiguous(), u_accept.float().contiguous(), u_sample.float().contiguous(), n, tok,
                         V=v, BLOCK_V=min(1024, triton.next_power_of_2(v)), NB=b)
     return n, tok

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import use_triton
+from . import on_device, use_triton
 
 
 def route_ref(scores: torch.Tensor, bias: torch.Tensor | None, hash_ids: torch.Tensor | None,
@@ -80,7 +80,7 @@ def route(scores: torch.Tensor, bias: torch.Tensor | None, hash_ids: torch.Tenso
     w = torch.empty(t, top_k, dtype=torch.float32, device=scores.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=scores.device)
     dummy = scores.new_zeros(1)
-    with torch.cuda.device(scores.device):  # launch on the tensors' GPU
+    with on_device(scores):  # launch on the tensors' GPU
         _kernel[(t,)](scores, bias.float().contiguous() if bias is not None else dummy,
                       hash_ids.contiguous() if hash_ids is not None else dummy, is_padding.to(torch.int8).contiguous(),
                       w, ids, E=e, K=top_k, BLOCK_E=triton.next_power_of_2(e), HAS_BIAS=bias is not None,

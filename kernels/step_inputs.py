@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import use_triton
+from . import on_device, use_triton
 
 
 def verify_inputs_ref(anchor: torch.Tensor, drafts: torch.Tensor, start: torch.Tensor, n_real: int
@@ -45,7 +45,7 @@ def verify_inputs(anchor: torch.Tensor, drafts: torch.Tensor, start: torch.Tenso
         return verify_inputs_ref(anchor, drafts, start, n_real)
     ids = torch.empty(b, nb + 1, dtype=torch.int64, device=drafts.device)
     pos = torch.empty_like(ids)
-    with torch.cuda.device(drafts.device):  # launch on the tensors' GPU
+    with on_device(drafts):  # launch on the tensors' GPU
         _kernel[(b,)](anchor.long().contiguous(), drafts.long().contiguous(), start.long().contiguous(), ids, pos, n_real,
                       NB=nb, BLOCK=triton.next_power_of_2(nb + 1))
     return ids, pos
