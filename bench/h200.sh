@@ -54,16 +54,18 @@ tiny)  # PD == aggregated on the GPU(s): fp32 without simulations, so equality i
 small)
   [ -f checkpoints/small/config.json ] || $PY -m cli.main make-checkpoint --preset small --dtype bf16 checkpoints/small \
     > "$OUT/make_small.txt" 2>&1
-  serve() { $PY bench/serve.py --url "$URL" --concurrency "${CONC:-1,8,32}" --requests 32 --prompt 256 \
+  serve() { $PY bench/serve.py --url "$URL" --concurrency "${CONC:-1,8,32}" --requests 16 --prompt 256 \
             --max-tokens 64 --label "$LABEL" >> "$OUT/serve.txt" 2>&1; }
   both() { serve; $PY bench/transfer.py --prefill "$GRPC" --model checkpoints/small --device cuda:0 \
            --lengths 128,512,2048,8192 --repeats 2 --label "$LABEL" >> "$OUT/transfer.txt" 2>&1; }
-  for spec in spec no-spec; do
-    LABEL="[PP=1, one GPU, $spec]" pair "s1-$spec" checkpoints/small "--pp 1" "--device cuda:0 --$spec" serve
-  done
+  D="--max-model-len 4096"
+  LABEL="[PP=1, one GPU, spec]" pair s1 checkpoints/small "--pp 1" "--device cuda:0 $D" both
   if [ "$NGPU" -ge 2 ]; then
-    LABEL="[PP=1 cuda:0, decode cuda:1]" pair s2 checkpoints/small "--pp 1" "--device cuda:1" both
-    LABEL="[PP=2 cuda:0+1, decode cuda:0]" pair s3 checkpoints/small "--pp 2" "--device cuda:0" both
+    LABEL="[PP=2 cuda:0+1, decode cuda:0, spec]" pair s3 checkpoints/small "--pp 2" "--device cuda:0 $D" both
+  fi
+  if [ -n "${MORE:-}" ]; then
+    LABEL="[PP=1, one GPU, no-spec]" pair s1n checkpoints/small "--pp 1" "--device cuda:0 --no-spec $D" serve
+    LABEL="[PP=1 cuda:0, decode cuda:1]" pair s2 checkpoints/small "--pp 1" "--device cuda:1 $D" both
   fi
   cat "$OUT/serve.txt" "$OUT/transfer.txt" 2>/dev/null
   ;;
