@@ -29,7 +29,9 @@ class StepGraphs:
         self.capture_layers = proposer.capture if proposer else ()
         self._verify: dict[int, tuple[torch.cuda.CUDAGraph, StepBatch, ExtendOut, torch.Tensor]] = {}
         self._propose: dict[int, tuple[torch.cuda.CUDAGraph, DraftRows, Draft]] = {}
-        self._pool = torch.cuda.graph_pool_handle()
+        # separate pools: a step replays propose then verify and reads the proposal after verify ran, so the two
+        # kinds must not share memory (within a kind only one bucket's graph is live per step)
+        self._pools = {"verify": torch.cuda.graph_pool_handle(), "propose": torch.cuda.graph_pool_handle()}
 
     def capture(self) -> None:
         t = time.perf_counter()
@@ -40,7 +42,7 @@ class StepGraphs:
         log.info("captured decode graphs for buckets %s (K=%d) in %.1fs", self.buckets, self.k,
                  time.perf_counter() - t)
 
-    def _graph(self, fn):
+    def _graph(self, fn, kind: str):
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s), torch.inference_mode():
@@ -48,7 +50,7 @@ class StepGraphs:
                 fn()
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(g, pool=self._pool):
+        with torch.inference_mode(), torch.cuda.graph(g, pool=self._pools[kind]):
             out = fn()
         return g, out
 
@@ -65,7 +67,7 @@ class StepGraphs:
         def fn():
             out = model.extend(batch, pool, capture=self.capture_layers)
             return out, model.logits(out.streams)
-        g, (out, logits) = self._graph(fn)
+        g, (out, logits) = self._graph(fn, "verify")
         return g, batch, out, logits
 
     def _capture_propose(self, b: int):
@@ -76,7 +78,7 @@ class StepGraphs:
                          is_padding=torch.ones(b, dtype=torch.bool, device=dev),
                          temperature=torch.zeros(b, device=dev), top_p=torch.ones(b, device=dev),
                          seed=torch.zeros(b, dtype=torch.int64, device=dev))
-        g, draft = self._graph(lambda: self.proposer.propose(self.runner.pool, rows))
+        g, draft = self._graph(lambda: self.proposer.propose(self.runner.pool, rows), "propose")
         return g, rows, draft
 
     def has(self, b: int) -> bool:
