@@ -161,9 +161,7 @@ class Engine:
                               rows.top_p.repeat_interleave(b + 1)).view(bp, b + 1, v)
         pos = rows.start[:, None] + 1 + torch.arange(b + 1, device=logits.device)  # positions of emitted tokens
         u_acc = torch.stack([uniform(rows.seed, pos[:, i], ACCEPT, 1)[:, 0] for i in range(b)], 1)
-        # the Triton acceptance kernel faults on the H200 (illegal address; it matches the reference under the
-        # interpreter): the reference runs on every device until that is fixed
-        n_acc, last = accept(p, draft.probs, draft.tokens, u_acc, self._pick_uniform(rows.seed, pos), impl="ref")
+        n_acc, last = accept(p, draft.probs, draft.tokens, u_acc, self._pick_uniform(rows.seed, pos))
         accepted = (n_acc + 1).masked_fill(rows.is_padding, 0)
         self.runner.commit([r.cache for r in reqs], batch, out, accepted[:n_real].tolist())
         self.proposer.extend_context(self.runner.pool, batch, out.aux, accepted)
