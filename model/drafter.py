@@ -68,17 +68,25 @@ def context_kv(stages: nn.ModuleList, cfg: ModelConfig, aux: dict[int, torch.Ten
     return [s.attn.project_kv(x, cos, sin) for s in stages]
 
 
-class ContextKV(nn.Module):
-    """The context-KV-only drafter (prefill side): main_proj/main_norm and each stage's kv path."""
+class _Stages(nn.Module):
+    """`mtp.{i}` stages built by make_stage(cfg, layer id, first, last); inference only."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, make_stage):
         super().__init__()
         if not cfg.has_dspark:
             raise ValueError("the checkpoint's config has no DSpark drafter (dspark_target_layer_ids)")
         self.cfg = cfg
         self.layer_ids = drafter_layer_ids(cfg)
-        self.mtp = nn.ModuleList(ContextStage(cfg, lid, i == 0) for i, lid in enumerate(self.layer_ids))
+        n = len(self.layer_ids)
+        self.mtp = nn.ModuleList(make_stage(cfg, lid, i == 0, i == n - 1) for i, lid in enumerate(self.layer_ids))
         self.requires_grad_(False)
+
+
+class ContextKV(_Stages):
+    """The context-KV-only drafter (prefill side): main_proj/main_norm and each stage's kv path."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, lambda c, lid, first, last: ContextStage(c, lid, first))
 
     def forward(self, aux: dict[int, torch.Tensor], positions: torch.Tensor) -> list[torch.Tensor]:
         return context_kv(self.mtp, self.cfg, aux, positions)
@@ -125,18 +133,11 @@ class ConfidenceHead(nn.Module):
         return torch.sigmoid(self.proj(torch.cat((hidden.float(), markov_embed.float()), -1))).squeeze(-1)
 
 
-class Drafter(nn.Module):
+class Drafter(_Stages):
     """The full drafter (decode side)."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        if not cfg.has_dspark:
-            raise ValueError("the checkpoint's config has no DSpark drafter (dspark_target_layer_ids)")
-        self.cfg = cfg
-        self.layer_ids = drafter_layer_ids(cfg)
-        n = len(self.layer_ids)
-        self.mtp = nn.ModuleList(DraftStage(cfg, lid, i == 0, i == n - 1) for i, lid in enumerate(self.layer_ids))
-        self.requires_grad_(False)
+        super().__init__(cfg, DraftStage)
 
     @property
     def last(self) -> DraftStage:

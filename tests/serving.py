@@ -23,7 +23,7 @@ def free_port() -> int:
 class Service:
     """A `dspark-pd` subcommand in its own process group, waited on until it prints `ready_text`."""
 
-    def __init__(self, args: list[str], ready_text: str, timeout: float = 120, env: dict | None = None):
+    def __init__(self, args: list[str], ready_text: str, timeout: float = 300, env: dict | None = None):
         self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"dspark-{os.getpid()}-{time.monotonic_ns()}.log"
         self.fh = open(self.log, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args], stdout=self.fh,
