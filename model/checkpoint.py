@@ -22,9 +22,19 @@ from .config import ModelConfig, load_config
 log = logging.getLogger(__name__)
 
 SHARD_BYTES = 2 << 30
-# official names of the weights the published checkpoints store in fp8 (routed experts: fp4)
-_FP8 = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|indexer\.wq_b|shared_experts\.w[123])\.weight$")
+# the weights the published checkpoints store in fp8 (routed experts: fp4), in both layouts
+_FP8 = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|indexer\.wq_b|shared_experts\.w[123]|"
+                  r"self_attn\.(q_a_proj|q_b_proj|kv_proj|o_a_proj|o_b_proj)|indexer\.q_b_proj|"
+                  r"shared_experts\.(gate|up|down)_proj)\.weight$")
 _EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
+_STACKED_EXPERT = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")  # transformers: [E, out, in]
+_SCALE_INV = "_scale_inv"  # transformers' suffix: X.weight -> X.weight_scale_inv, X -> X_scale_inv
+
+
+def scale_name(name: str, layout: str) -> str:
+    if layout == keys.OFFICIAL or name.startswith("mtp."):
+        return name[: -len(".weight")] + ".scale"
+    return name + _SCALE_INV
 
 
 class CheckpointError(ValueError):
@@ -81,29 +91,42 @@ def read_tensors(d: Path, cfg: ModelConfig, layers: range, embed: bool, head: bo
             layout = detect_layout(all_names)
             keep = filter_fn or (lambda n: _wanted(n, layout, layers, embed, head))
             for n in names:
-                base = n[: -len(".scale")] + ".weight" if n.endswith(".scale") else n
+                base = n[: -len(".scale")] + ".weight" if n.endswith(".scale") else n.removesuffix(_SCALE_INV)
                 if keep(base):
                     raw[n] = sf.get_tensor(n)
     return dequantize_all(raw, cfg), detect_layout(all_names)
 
 
+def _is_scale(n: str, raw: dict) -> bool:
+    return (n.endswith(".scale") and n[: -len(".scale")] + ".weight" in raw) or (
+        n.endswith(_SCALE_INV) and n.removesuffix(_SCALE_INV) in raw)
+
+
 def dequantize_all(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     out = {}
     for n, t in raw.items():
-        if n.endswith(".scale") and n[: -len(".scale")] + ".weight" in raw:
+        if _is_scale(n, raw):
             continue  # a quantisation scale, consumed with its weight
-        scale = raw.get(n[: -len(".weight")] + ".scale") if n.endswith(".weight") else None
+        scale = raw.get(n + _SCALE_INV)
+        if scale is None and n.endswith(".weight"):
+            scale = raw.get(n[: -len(".weight")] + ".scale")
         if scale is None:
-            if t.dtype in (torch.float8_e4m3fn, torch.uint8):
-                raise CheckpointError(f"{n} is quantised ({t.dtype}) but its .scale tensor is missing")
+            if t.dtype in (torch.float8_e4m3fn, torch.uint8, torch.int8):
+                raise CheckpointError(f"{n} is quantised ({t.dtype}) but its scale tensor is missing")
             out[n] = t
-        elif t.dtype == torch.float8_e4m3fn:
-            out[n] = quant.dequantize_fp8(t, scale, cfg.quant.block)
-        elif t.dtype in (torch.uint8, torch.int8):
-            out[n] = quant.dequantize_fp4(t, scale)
         else:
-            raise CheckpointError(f"{n} has a .scale but dtype {t.dtype} is neither fp8 nor packed fp4")
+            out[n] = _dequantize(n, t, scale, cfg)
     return out
+
+
+def _dequantize(n: str, t: torch.Tensor, scale: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    if t.dim() == 3:  # stacked experts: one matrix per expert
+        return torch.stack([_dequantize(n, t[e], scale[e], cfg) for e in range(t.shape[0])])
+    if t.dtype == torch.float8_e4m3fn:
+        return quant.dequantize_fp8(t, scale, cfg.quant.block)
+    if t.dtype in (torch.uint8, torch.int8):
+        return quant.dequantize_fp4(t, scale)
+    raise CheckpointError(f"{n} has a scale but dtype {t.dtype} is neither fp8 nor packed fp4")
 
 
 def load_state_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor], layout: str, what: str) -> None:
@@ -196,8 +219,6 @@ def to_layout(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: str, fmt: s
     """Our state dict -> checkpoint tensors in `layout`, stored as fmt (fp32 | bf16 | fp8)."""
     if layout not in keys.LAYOUTS:
         raise ValueError(f"layout must be one of {keys.LAYOUTS}, got {layout!r}")
-    if fmt == "fp8" and layout != keys.OFFICIAL:
-        raise ValueError("fp8 checkpoints use the official layout (the published quantisation)")
     sd = {k: v for k, v in sd.items() if not k.endswith("inv_freq")}
     # drafter tensors (mtp.*) keep the official names in every layout (transformers ignores them)
     mtp = keys.ours_to_official({k: v for k, v in sd.items() if k.startswith("mtp.")})
@@ -207,15 +228,23 @@ def to_layout(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: str, fmt: s
     out = {}
     for n, t in named.items():
         t = t.detach().cpu().contiguous()
-        if fmt == "fp8" and _EXPERT.search(n) and cfg.quant.expert_fmt == "fp4":
-            out[n], out[n[: -len(".weight")] + ".scale"] = quant.quantize_fp4(t)
-        elif fmt == "fp8" and (_FP8.search(n) or _EXPERT.search(n)):
-            out[n], out[n[: -len(".weight")] + ".scale"] = quant.quantize_fp8(t, cfg.quant.block)
+        if fmt == "fp8" and (_FP8.search(n) or _EXPERT.search(n) or _STACKED_EXPERT.search(n)):
+            out[n], out[scale_name(n, layout)] = _quantize(n, t, cfg)
         elif t.dtype == torch.float32 and fmt != "fp32" and not _keeps_fp32(n):
             out[n] = t.to(torch.bfloat16)
         else:
             out[n] = t
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _quantize(n: str, t: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    if t.dim() == 3:  # stacked experts
+        parts = [_quantize(n, t[e], cfg) for e in range(t.shape[0])]
+        return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    expert = bool(_EXPERT.search(n) or _STACKED_EXPERT.search(n))
+    if expert and cfg.quant.expert_fmt == "fp4":
+        return quant.quantize_fp4(t)
+    return quant.quantize_fp8(t, cfg.quant.block)
 
 
 def _keeps_fp32(name: str) -> bool:

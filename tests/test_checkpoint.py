@@ -40,6 +40,21 @@ def test_bf16_round_trip(tmp_path, layout):
         assert torch.equal(got[k].float(), v.to(torch.bfloat16).float()) or torch.equal(got[k].float(), v), k
 
 
+def test_fp8_and_fp4_round_trip_transformers_layout(tmp_path):
+    make_checkpoint("tiny", tmp_path, layout="transformers", fmt="fp8", seed=0)
+    raw = load_file(str(next(tmp_path.glob("*.safetensors"))))
+    assert raw["model.layers.1.self_attn.q_a_proj.weight"].dtype == torch.float8_e4m3fn
+    assert "model.layers.1.self_attn.q_a_proj.weight_scale_inv" in raw
+    assert raw["model.layers.1.mlp.experts.gate_up_proj"].dtype == torch.int8  # [E, 2I, H/2] packed e2m1
+    got = model.load(tmp_path, dtype=torch.float32).state_dict()
+    ref = _ours()
+    w1 = ref["layers.1.ffn.experts.w1"][3]
+    assert torch.equal(got["layers.1.ffn.experts.w1"][3], quant.dequantize_fp4(*quant.quantize_fp4(w1)))
+    wo = ref["layers.2.attn.wo_b.weight"]
+    block = (128, 128)
+    assert torch.equal(got["layers.2.attn.wo_b.weight"], quant.dequantize_fp8(*quant.quantize_fp8(wo, block), block))
+
+
 def test_fp8_and_fp4_round_trip(tmp_path):
     make_checkpoint("tiny", tmp_path, layout="official", fmt="fp8", seed=0)
     raw = load_file(str(next(tmp_path.glob("*.safetensors"))))

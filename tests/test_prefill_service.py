@@ -19,16 +19,22 @@ from transfer.layout import region_layout
 from transfer.mooncake import MooncakeEngine
 from transfer.pack import pack_layer
 
-from .serving import TINY, start_prefill
+from .serving import TINY, free_port, start_prefill
 
 PROMPTS = [7, 40, 133, 301]
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["pp1", "pp2"])
 def prefill(request):
-    svc, port = start_prefill(request.param)
+    mport = free_port()
+    svc, port = start_prefill(request.param, extra=["--metrics-port", str(mport)])
+    svc.metrics_port = mport
+    request.module.SERVICES[port] = svc
     yield port
     svc.stop()
+
+
+SERVICES = {}
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +109,16 @@ def test_landed_bytes_equal_the_aggregated_state(prefill, receiver, reference):
             got = receiver.region(res[n], layer)
             assert torch.equal(got, want), str((n, layer, _debug(receiver, res[n], reference, n, layer)))
         receiver.release(res[n], safe=True)
+
+
+def test_metrics_are_served(prefill):
+    import re
+    import urllib.request
+    text = urllib.request.urlopen(f"http://127.0.0.1:{SERVICES[prefill].metrics_port}/metrics").read().decode()
+    tokens = float(re.search(r"^prefill_tokens_total ([0-9.e+]+)$", text, re.M).group(1))
+    assert tokens >= sum(PROMPTS)  # the equality test's prompts were counted
+    assert re.search(r'^prefill_requests_total\{outcome="ok"\} [1-9]', text, re.M)
+    assert re.search(r"^prefill_transfer_bytes_total [1-9]", text, re.M)
 
 
 def _status(coro):
