@@ -34,7 +34,7 @@ class Pair:
         self.prefill_port, self.http_port = prefill_port, http_port
         self.decode = Service(["serve-decode", "--model", str(TINY), "--prefill", f"127.0.0.1:{prefill_port}",
                                "--port", str(http_port), "--threads", "1", "--max-running", "16",
-                               "--max-queued", "64", "--prefill-timeout-s", "20", *extra],
+                               "--max-queued", "64", "--prefill-timeout-s", "20", "--arena-mib", "64", *extra],
                               "decode service ready", env=NO_SIM)
         self.url = f"http://127.0.0.1:{http_port}"
 
@@ -179,7 +179,7 @@ def _idle(pair, quarantined: int = 0) -> None:
     assert pair.metric("free_cache_slots") == 16
     assert pair.metric("quarantined_regions") == quarantined
     if not quarantined:
-        assert pair.metric("free_arena_bytes") == 256 << 20
+        assert pair.metric("free_arena_bytes") == 64 << 20
 
 
 def test_client_disconnect_mid_stream_frees_everything(pair):
@@ -231,3 +231,29 @@ def test_dead_prefill_gives_503_and_a_restarted_one_is_picked_up(pair, reference
     r = httpx.post(f"{pair.url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == reference[QUESTIONS[0]][0]
     _idle(pair, quarantined=1)
+
+
+def test_api_key_and_overload(pair):
+    """A second decode service on the same prefill, with an API key and room for one request and no queue."""
+    other = Pair(pair.prefill_port, free_port(), extra=["--api-key", "sesame", "--max-running", "1",
+                                                        "--max-queued", "0"])
+    try:
+        other.wait_ready()
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+        r = httpx.post(f"{other.url}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        auth = {"Authorization": "Bearer sesame"}
+        assert httpx.post(f"{other.url}/v1/chat/completions", json=body, headers=auth, timeout=30).status_code == 200
+
+        async def two():
+            async with httpx.AsyncClient(timeout=60, headers=auth) as c:
+                slow = {**body, "max_tokens": 300, "temperature": 0.5}
+                first = asyncio.ensure_future(c.post(f"{other.url}/v1/chat/completions", json=slow))
+                await asyncio.sleep(0.5)
+                second = await c.post(f"{other.url}/v1/chat/completions", json=body)
+                return await first, second
+        first, second = asyncio.run(two())
+        assert first.status_code == 200
+        assert second.status_code == 429 and second.headers.get("retry-after") == "1"
+    finally:
+        other.decode.stop()
