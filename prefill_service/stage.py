@@ -123,7 +123,7 @@ class _Shipper:
 
     def __init__(self, worker: StageWorker, job: Job, rc, tokens: int, rep: StageReport):
         self.w, self.job, self.rc, self.tokens, self.rep = worker, job, rc, tokens, rep
-        self.offset, self.batches = 0, []
+        self.offset, self.batches, self.writes = 0, [], []
 
     def on_layer(self, batch, final: bool):
         k = torch.tensor([batch.input_ids.shape[1]], device=self.w.device)
@@ -150,16 +150,30 @@ class _Shipper:
         pack_layer(w.pool, layout, self.rc.slot, table, region)
         if region.is_cuda:
             torch.cuda.current_stream(region.device).synchronize()  # the engine reads staging directly
-        self.batches += w.engine.submit(self.job.session, [Write(region.data_ptr(), self.job.regions[layer],
-                                                                 layout.nbytes)])
+        write = Write(region.data_ptr(), self.job.regions[layer], layout.nbytes)
+        self.writes.append(write)
+        self.batches += w.engine.submit(self.job.session, [write])
         self.offset += -(-layout.nbytes // 64) * 64
         self.rep.bytes += layout.nbytes
 
     def finish(self) -> None:
+        """Wait for this job's writes; if they failed but the peer still answers probes, write everything once
+        more (staging still holds the packed layers) before giving up."""
         t = time.perf_counter()
         try:
-            self.w.engine.wait(self.job.session, self.batches)
+            if self.rep.error is None:
+                self._wait_or_retry()
         except TransferError as e:
-            self.rep.error = self.rep.error or f"UNAVAILABLE: {e}"
+            self.rep.error = f"UNAVAILABLE: {e}"
         finally:
             self.rep.transfer_wait_s = time.perf_counter() - t
+
+    def _wait_or_retry(self) -> None:
+        engine, peer = self.w.engine, self.job.session
+        try:
+            engine.wait(peer, self.batches)
+        except TransferError as first:
+            if not engine.alive(peer):
+                raise
+            log.warning("request %s: retrying %d write(s) after %s", self.job.request_id, len(self.writes), first)
+            engine.wait(peer, engine.submit(peer, self.writes))
