@@ -39,7 +39,7 @@ class Admission:
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
                 self.release(tokens)  # admitted just as the caller left
-            else:
+            elif (tokens, fut) in self._waiters:
                 self._waiters.remove((tokens, fut))
             raise
         return tokens
@@ -53,5 +53,7 @@ class Admission:
         self.tokens -= tokens
         while self._waiters and self._fits(self._waiters[0][0]):
             t, fut = self._waiters.popleft()
+            if fut.done():  # its caller left (cancelled) before we got here
+                continue
             self._take(t)
             fut.set_result(None)

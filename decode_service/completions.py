@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import time
 import uuid
@@ -16,8 +17,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engine.request import StepOutput
 from engine.sampling import SamplingParams
 
-from .generation import RequestError, ServiceContext, TextStream, run_one
+from .generation import RequestError, ServiceContext, TextStream, admit, run_admitted
 from .schemas import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
 
 
 async def chat_completions(ctx: ServiceContext, request: Request, body: ChatCompletionRequest):
@@ -60,7 +63,7 @@ def _params(ctx, body, prompt: list[int], prompt_param: str) -> list[SamplingPar
         raise RequestError(400, f"{param} {limit} + the prompt's {len(prompt)} tokens exceed the context of "
                                 f"{ctx.max_model_len} tokens", param=param)
     seed = body.seed if body.seed is not None else random.getrandbits(62)
-    return [SamplingParams(temperature=body.temperature, top_p=body.top_p, max_tokens=limit, seed=seed + i,
+    return [SamplingParams(temperature=body.temperature, top_p=body.top_p, max_tokens=limit, seed=(seed + i) % 2**63,
                            stop=tuple(body.stop or ()), logprobs=body.alternatives) for i in range(body.n)]
 
 
@@ -68,8 +71,9 @@ async def _respond(ctx, request: Request, body, prompt: list[int], chat: bool, p
     params = _params(ctx, body, prompt, prompt_param)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     shape = _Shape(ctx, rid, chat, body)
-    if body.stream:
-        events = _merge([_choice(ctx, f"{rid}-{i}", i, prompt, p) for i, p in enumerate(params)])
+    if body.stream:  # admitted before the 200 goes out, so overload is a real 429
+        tickets = await _admit_all(ctx, prompt, params)
+        events = _merge([_choice(ctx, t, f"{rid}-{i}", i, prompt, p) for i, (t, p) in enumerate(zip(tickets, params))])
         return StreamingResponse(_sse(shape, events, len(prompt), body.include_usage), media_type="text/event-stream")
     task = asyncio.ensure_future(_collect(ctx, rid, prompt, params))
     watcher = asyncio.ensure_future(_until_disconnected(request))
@@ -80,6 +84,18 @@ async def _respond(ctx, request: Request, body, prompt: list[int], chat: bool, p
         return JSONResponse({}, status_code=499)
     watcher.cancel()
     return JSONResponse(shape.whole(task.result(), len(prompt)))
+
+
+async def _admit_all(ctx, prompt, params) -> list[int]:
+    tickets = []
+    try:
+        for p in params:
+            tickets.append(await admit(ctx, prompt, p))
+    except BaseException:
+        for t in tickets:
+            ctx.admission.release(t)
+        raise
+    return tickets
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -98,11 +114,11 @@ class _Choice:
         self.finish_reason: str | None = None
 
 
-async def _choice(ctx, rid, index, prompt, params) -> AsyncIterator[tuple[_Choice, StepOutput, str]]:
+async def _choice(ctx, ticket, rid, index, prompt, params) -> AsyncIterator[tuple[_Choice, StepOutput, str]]:
     c = _Choice(ctx, index, params.stop)
     t0 = last = time.perf_counter()
     try:
-        async for out in run_one(ctx, rid, prompt, params):
+        async for out in run_admitted(ctx, ticket, rid, prompt, params):
             now = time.perf_counter()
             if not c.ids:
                 ctx.metrics.ttft.observe(now - t0)
@@ -130,11 +146,17 @@ async def _choice(ctx, rid, index, prompt, params) -> AsyncIterator[tuple[_Choic
 
 async def _collect(ctx, rid, prompt, params) -> list[_Choice]:
     async def one(i, p):
+        ticket = await admit(ctx, prompt, p)
         c = None
-        async for c, _, _ in _choice(ctx, f"{rid}-{i}", i, prompt, p):
+        async for c, _, _ in _choice(ctx, ticket, f"{rid}-{i}", i, prompt, p):
             pass
         return c
-    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(params))))
+    try:  # a failing choice cancels its siblings (they would hold cache for nothing)
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(one(i, p)) for i, p in enumerate(params)]
+    except BaseExceptionGroup as eg:
+        raise eg.exceptions[0] from None
+    return [t.result() for t in tasks]
 
 
 async def _merge(gens):
@@ -186,6 +208,12 @@ async def _sse(shape: "_Shape", events, prompt_tokens: int, include_usage: bool)
                 yield _data(shape.chunk(c.index, delta, c.finish_reason, lp))
     except RequestError as e:
         yield _data({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": None}})
+        yield "data: [DONE]\n\n"
+        return
+    except Exception as e:  # noqa: BLE001 - the stream ends with an error event, never mid-air
+        log.exception("stream failed")
+        yield _data({"error": {"message": f"internal error: {e}", "type": "server_error", "param": None,
+                               "code": None}})
         yield "data: [DONE]\n\n"
         return
     if include_usage:

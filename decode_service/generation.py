@@ -52,19 +52,27 @@ class ServiceContext:
     started: float = field(default_factory=time.time)
 
 
-async def run_one(ctx: ServiceContext, rid: str, prompt: list[int], params: SamplingParams
-                  ) -> AsyncIterator[StepOutput]:
+async def admit(ctx: ServiceContext, prompt: list[int], params: SamplingParams) -> int:
+    """Take an admission ticket (waiting in the bounded queue if needed); returns its size for `run_admitted`."""
     tokens = len(prompt) + params.max_tokens + ctx.lookahead
     try:
         await ctx.admission.acquire(tokens)
     except Overloaded as e:
         raise RequestError(429, f"server overloaded: {e}; retry later", kind="rate_limit_error",
                            headers={"Retry-After": "1"}) from e
+    except ValueError as e:
+        raise RequestError(400, str(e), param="max_tokens") from e
+    return tokens
+
+
+async def run_admitted(ctx: ServiceContext, ticket: int, rid: str, prompt: list[int], params: SamplingParams
+                       ) -> AsyncIterator[StepOutput]:
+    """Prefill and decode one admitted request; gives the ticket back at the end, however it ends."""
     try:
         async for out in _prefill_and_decode(ctx, rid, prompt, params):
             yield out
     finally:
-        ctx.admission.release(tokens)
+        ctx.admission.release(ticket)
 
 
 async def _prefill_and_decode(ctx, rid, prompt, params) -> AsyncIterator[StepOutput]:
@@ -98,17 +106,19 @@ async def _prefill(ctx, rid, prompt, params, res) -> prefill_pb2.PrefillReply:
         sampling=prefill_pb2.Sampling(temperature=params.temperature, top_p=params.top_p, seed=params.seed,
                                       top_logprobs=params.logprobs or 0))
     t0 = time.perf_counter()
+
+    def abandoned(acked: bool) -> None:  # the client left during prefill; called once the peer answered the cancel
+        ctx.receiver.release(res, safe=acked)
+        log.info("request %s: client gone during prefill (cancel %s)", rid, "acknowledged" if acked else "unsure")
+
     try:
-        reply = await ctx.peers.prefill(req, ctx.cfg.prefill_timeout_s)
+        reply = await ctx.peers.prefill(req, ctx.cfg.prefill_timeout_s, abandoned)
     except PrefillUnavailable as e:
         ctx.receiver.release(res, safe=e.safe)
         log.warning("request %s: %s", rid, e)
         raise RequestError(503, str(e), kind="server_error", headers={"Retry-After": "1"}) from e
-    except asyncio.CancelledError:  # the client left during prefill
-        acked = await asyncio.shield(ctx.peers.cancel_request(rid))
-        ctx.receiver.release(res, safe=acked)
-        log.info("request %s: client gone during prefill (cancel %s)", rid, "acknowledged" if acked else "unsure")
-        raise
+    except asyncio.CancelledError:
+        raise  # `abandoned` releases the regions
     except BaseException:
         ctx.receiver.release(res, safe=False)
         raise

@@ -70,9 +70,15 @@ class KVReceiver:
         return self.arena.buffer[off:off + lay.nbytes]
 
     def unpack(self, res: Reservation, pool: CachePool, slot: int, tables: dict[int, list[int]]) -> None:
+        """Copy the landed regions into the pool (layers the pool does not keep, e.g. the drafter's when decoding
+        without speculation, are skipped); returns once the copies are done, so the slice can be reused."""
         for layer, (_, lay) in res.regions.items():
+            if layer not in pool.swa:
+                continue
             r = self.cfg.ratio(layer) if layer < self.cfg.num_hidden_layers else 0
             unpack_layer(pool, lay, slot, tables.get(r, []), self.region(res, layer))
+        if self.arena.buffer.is_cuda:
+            torch.cuda.current_stream(self.arena.buffer.device).synchronize()  # a transfer may reuse it next
 
     def release(self, res: Reservation, safe: bool) -> None:
         """safe: prefill reported completion or acknowledged a cancel; otherwise quarantine until the deadline."""

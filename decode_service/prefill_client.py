@@ -3,6 +3,7 @@ of peer (least outstanding prefill tokens), Prefill calls with deadlines and Can
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ class PrefillPeers:
     def __init__(self, addresses: list[str], layout_hash: str):
         self.layout_hash = layout_hash
         self._where: dict[str, Peer] = {}  # request id -> peer prefilling it
+        self._background: set[asyncio.Task] = set()
         self.peers = []
         for a in addresses:
             ch = grpc.aio.insecure_channel(a)
@@ -69,7 +71,10 @@ class PrefillPeers:
         ready = [p for p in self.peers if p.ready] or self.peers
         return min(ready, key=lambda p: p.outstanding_tokens)
 
-    async def prefill(self, request: prefill_pb2.PrefillRequest, timeout_s: float) -> prefill_pb2.PrefillReply:
+    async def prefill(self, request: prefill_pb2.PrefillRequest, timeout_s: float, on_abandon
+                      ) -> prefill_pb2.PrefillReply:
+        """on_abandon(safe) is called if the caller is cancelled mid-call, once the peer acknowledged the cancel
+        (safe=True) or could not be reached (safe=False)."""
         peer = self._pick()
         n = len(request.token_ids)
         peer.outstanding_tokens += n
@@ -78,13 +83,21 @@ class PrefillPeers:
             return await peer.stub.Prefill(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as e:
             code = e.code()
-            if code == grpc.StatusCode.UNAVAILABLE:
-                peer.ready = False
+            if code == grpc.StatusCode.UNAVAILABLE and not e.details().startswith(("destination", "request")):
+                peer.ready = False  # the peer itself is unreachable (not our own Mooncake endpoint)
             # the service answered, so its round is over (nothing writes any more) unless the deadline cut us off
             safe = code not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
             if not safe:
                 safe = await self.cancel(peer, request.request_id)
             raise PrefillUnavailable(f"prefill on {peer.address} failed: {code.name}: {e.details()}", safe) from e
+        except asyncio.CancelledError:
+            # the caller left. This task may be cancelled again and again (anyio), so the cancel runs in a task of
+            # its own and the callback releases the regions when the peer has answered.
+            task = asyncio.get_running_loop().create_task(self.cancel(peer, request.request_id))
+            task.add_done_callback(lambda t: on_abandon(not t.cancelled() and t.exception() is None and t.result()))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            raise
         finally:
             peer.outstanding_tokens -= n
             self._where.pop(request.request_id, None)

@@ -42,10 +42,12 @@ def build_context(cfg: DecodeConfig, loop: asyncio.AbstractEventLoop) -> Service
     if cfg.max_model_len > mcfg.max_position_embeddings:
         raise ValueError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings "
                          f"{mcfg.max_position_embeddings}")
-    max_model_len = cfg.max_model_len or min(mcfg.max_position_embeddings, cfg.cache_tokens)
     proposer = None
     if cfg.spec and mcfg.has_dspark:
         proposer = DSparkProposer(load_drafter(cfg.model, device=device, dtype=dtype, qat_sim=cfg.qat_sim), target)
+    lookahead = proposer.block_size + 1 if proposer else 1
+    # a request holds prompt + completion + one step's lookahead of cache
+    max_model_len = cfg.max_model_len or min(mcfg.max_position_embeddings, cfg.cache_tokens - lookahead)
     tokenizer = Tokenizer(cfg.model)
     sizing = CacheSizing(max_requests=cfg.max_running, max_tokens=cfg.cache_tokens)
     engine = Engine(target, tokenizer, sizing, proposer=proposer, cuda_graphs=cfg.cuda_graphs,
@@ -54,7 +56,6 @@ def build_context(cfg: DecodeConfig, loop: asyncio.AbstractEventLoop) -> Service
     receiver = KVReceiver(mcfg, dtype, mooncake, cfg.arena_mib << 20, device)
     metrics = DecodeMetrics()
     worker = EngineWorker(engine, receiver, loop, metrics, cfg.threads)
-    lookahead = proposer.block_size + 1 if proposer else 1
     h = layout_hash(mcfg, dtype)
     log.info("decode runtime: %s on %s as %s, speculation %s, layout %s, mooncake %s", cfg.model, device, dtype,
              f"DSpark block {proposer.block_size}" if proposer else "off", h, mooncake.session)

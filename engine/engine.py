@@ -80,7 +80,11 @@ class Engine:
         """Admit a request prefilled elsewhere: unpack(pool, slot, tables) writes its state into the cache, and
         `first` = (token, logprob, top alternatives) is its first output token (already sampled by prefill)."""
         req = self._new_request(prompt_ids, params, request_id)
-        self.scheduler.admit_now(req)
+        try:
+            self.scheduler.admit_now(req)
+        except Exception:
+            self.stops.pop(req.request_id, None)
+            raise
         try:
             self.runner.pool.clear_slot(req.cache.slot)
             unpack(self.runner.pool, req.cache.slot, req.cache.tables)

@@ -47,6 +47,7 @@ class Driver:
         self._queue: deque[_Pending] = deque()
         self._inflight: dict[str, _Pending] = {}
         self._round_done: list[asyncio.Future] = []  # cancel acks waiting for the current round
+        self._tombstones: deque[str] = deque(maxlen=4096)  # cancelled before they arrived: refused if they do
         self._cv = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="prefill-driver", daemon=True)
@@ -58,6 +59,8 @@ class Driver:
         with self._cv:
             if job.request_id in self._inflight or any(p.job.request_id == job.request_id for p in self._queue):
                 raise ValueError(f"request {job.request_id} is already being prefilled")
+            if job.request_id in self._tombstones:
+                raise PrefillFailed("CANCELLED", f"request {job.request_id} was cancelled before it arrived")
             deadline = time.monotonic() + timeout_s if timeout_s is not None else None
             self._queue.append(_Pending(job, deadline, fut))
             self._gauge()
@@ -75,6 +78,7 @@ class Driver:
                     return True
             p = self._inflight.get(request_id)
             if p is None:
+                self._tombstones.append(request_id)  # a Prefill still on its way is refused when it arrives
                 return False
             p.cancelled = True
             ack = self.loop.create_future()

@@ -15,6 +15,7 @@ class Job:
     session: str  # the receiver's Mooncake session
     regions: dict[int, int]  # layer -> destination address
     top_logprobs: int = 0
+    deadline_unix: float = 0.0  # no write starts after this wall-clock time (0: none)
 
 
 @dataclass(frozen=True, slots=True)

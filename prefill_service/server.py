@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
 import re
 import signal
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -72,8 +74,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             self.metrics.requests.labels("unavailable").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"destination {job.session} does not answer Mooncake "
                                                              f"probes")
+        remaining = context.time_remaining()
+        if remaining is not None:
+            job = dataclasses.replace(job, deadline_unix=time.time() + remaining)
         try:
-            out = await self.driver.submit(job, context.time_remaining())
+            out = await self.driver.submit(job, remaining)
         except PrefillFailed as e:
             self.metrics.requests.labels(e.code.lower()).inc()
             await context.abort(getattr(grpc.StatusCode, e.code, grpc.StatusCode.INTERNAL), str(e))
@@ -113,6 +118,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         if out:
             raise _Refused(bad, f"token id {out[1]} at position {out[0]} is outside the vocabulary (0..{vocab - 1})")
         s = req.sampling
+        if s.seed >= 2**63:
+            raise _Refused(bad, f"sampling.seed {s.seed} must be below 2**63")
         if s.temperature < 0 or not 0 <= s.top_p <= 1 or not 0 <= s.top_logprobs <= 20:
             raise _Refused(bad, f"sampling: temperature {s.temperature} must be >= 0, top_p {s.top_p} in (0, 1], "
                                 f"top_logprobs {s.top_logprobs} in 0..20")

@@ -60,31 +60,45 @@ class StageWorker:
         rep = StageReport(self.stage, job.request_id)
         rc = self.alloc.admit()
         t0 = time.perf_counter()
+        ids, n = list(job.token_ids), len(job.token_ids)
+        shipper = _Shipper(self, job, rc, n, rep)
         try:
-            self.alloc.reserve(rc, len(job.token_ids))
+            self.alloc.reserve(rc, n)
             self.pool.clear_slot(rc.slot)
-            ids, n = list(job.token_ids), len(job.token_ids)
-            shipper = _Shipper(self, job, rc, n, rep)
             chunk = self.cfg.chunk_tokens
             for c0 in range(0, n, chunk):
-                part = ids[c0:c0 + chunk]
-                final = c0 + chunk >= n
-                batch = make_batch([(rc, part)], self.ratios, self.device)
-                streams = None if self.model.has_embed else recv(len(part))
-                out = self.model.extend(batch, self.pool, streams, capture=self._aux(),
-                                        on_layer=shipper.on_layer(batch, final))
-                rc.tokens += len(part)
-                if not self.last:
-                    send(out.streams)
-                else:
-                    self._context(batch, out.aux, final, shipper)
-                    if final:
-                        self._first_token(job, out.streams[:, -1], rep)
+                self._chunk(job, rc, ids[c0:c0 + chunk], c0 + chunk >= n, shipper, recv, send)
             rep.compute_s = time.perf_counter() - t0
-            shipper.finish()
         finally:
+            shipper.finish()  # whatever happened, wait for the writes already started
             self.alloc.release(rc)
         return rep
+
+    def _chunk(self, job, rc, part, final, shipper, recv, send) -> None:
+        """One chunk through this stage. The neighbour exchange always happens, even after an error (then with
+        zeros), so one failed request never leaves the pipe out of step."""
+        streams = None if self.model.has_embed else recv(len(part))
+        out_streams = None
+        if shipper.rep.error is None:
+            try:
+                out_streams = self._compute(job, rc, part, final, shipper, streams)
+            except Exception as e:  # noqa: BLE001 - reported for this request; the service goes on
+                log.exception("request %s: stage %d failed", job.request_id, self.stage)
+                shipper.rep.error = f"INTERNAL: stage {self.stage}: {e}"
+        if not self.last:
+            if out_streams is None:
+                out_streams = torch.zeros(1, len(part), *self.hidden_shape, dtype=self.dtype, device=self.device)
+            send(out_streams)
+
+    def _compute(self, job, rc, part, final, shipper, streams):
+        batch = make_batch([(rc, part)], self.ratios, self.device)
+        out = self.model.extend(batch, self.pool, streams, capture=self._aux(), on_layer=shipper.on_layer(batch, final))
+        rc.tokens += len(part)
+        if self.last:
+            self._context(batch, out.aux, final, shipper)
+            if final:
+                self._first_token(job, out.streams[:, -1], shipper.rep)
+        return out.streams
 
     def _aux(self) -> tuple[int, ...]:
         return tuple(self.mcfg.dspark_target_layer_ids) if self.drafter is not None else ()
@@ -142,7 +156,15 @@ class _Shipper:
         except TransferError as e:
             self.rep.error = f"UNAVAILABLE: {e}"
 
+    def _past_deadline(self) -> bool:
+        if self.job.deadline_unix and time.time() > self.job.deadline_unix:
+            self.rep.error = f"DEADLINE_EXCEEDED: request {self.job.request_id} passed its deadline; writes stopped"
+            return True
+        return False
+
     def _ship(self, layer: int) -> None:
+        if self._past_deadline():
+            return  # the caller may already reuse its regions: nothing may land there any more
         w = self.w
         layout = region_layout(w.mcfg, layer, self.tokens, w.dtype)
         region = w.staging[self.offset:self.offset + layout.nbytes]
@@ -163,8 +185,10 @@ class _Shipper:
         try:
             if self.rep.error is None:
                 self._wait_or_retry()
+            else:
+                self.w.engine.wait(self.job.session, self.batches)
         except TransferError as e:
-            self.rep.error = f"UNAVAILABLE: {e}"
+            self.rep.error = self.rep.error or f"UNAVAILABLE: {e}"
         finally:
             self.rep.transfer_wait_s = time.perf_counter() - t
 
@@ -173,7 +197,7 @@ class _Shipper:
         try:
             engine.wait(peer, self.batches)
         except TransferError as first:
-            if not engine.alive(peer):
+            if not engine.alive(peer) or self._past_deadline():
                 raise
             log.warning("request %s: retrying %d write(s) after %s", self.job.request_id, len(self.writes), first)
             engine.wait(peer, engine.submit(peer, self.writes))
