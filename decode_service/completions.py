@@ -53,6 +53,13 @@ def _check_model(ctx: ServiceContext, name: str) -> None:
 
 
 def _params(ctx, body, prompt: list[int], prompt_param: str) -> list[SamplingParams]:
+    limit_prefill = ctx.peers.max_prompt_tokens if ctx.peers else None
+    if limit_prefill is not None and len(prompt) > limit_prefill:
+        raise RequestError(400, f"the prompt has {len(prompt)} tokens; the prefill service takes at most "
+                                f"{limit_prefill}", param=prompt_param)
+    if ctx.receiver.request_bytes(len(prompt)) > ctx.receiver.arena.buffer.numel():
+        raise RequestError(400, f"the prompt's state ({len(prompt)} tokens) exceeds the receive arena",
+                           param=prompt_param)
     room = ctx.max_model_len - len(prompt)
     if room < 1:
         raise RequestError(400, f"the prompt has {len(prompt)} tokens; the context holds {ctx.max_model_len}",
@@ -203,7 +210,8 @@ async def _sse(shape: "_Shape", events, prompt_tokens: int, include_usage: bool)
                 started.add(c.index)
                 if shape.chat:
                     yield _data(shape.chunk(c.index, {"role": "assistant", "content": ""}, None, None))
-            lp = shape.logprobs(out.new_ids, out.new_logprobs, out.new_top_logprobs) if shape.wants_logprobs else None
+            lp = (shape.logprobs(out.new_ids, out.new_logprobs, out.new_top_logprobs, c.index)
+                  if shape.wants_logprobs else None)
             if delta or lp or c.finish_reason:
                 yield _data(shape.chunk(c.index, delta, c.finish_reason, lp))
     except RequestError as e:
@@ -238,6 +246,7 @@ class _Shape:
         self.ctx, self.rid, self.chat = ctx, rid, chat
         self.created = int(time.time())
         self.wants_logprobs = body.alternatives is not None
+        self.text_offset: dict[int, int] = {}  # legacy completions: per choice, offsets run on across chunks
 
     def head(self, kind: str) -> dict:
         obj = ("chat.completion" if self.chat else "text_completion") + (".chunk" if kind == "chunk" and self.chat
@@ -256,7 +265,7 @@ class _Shape:
         out = []
         for c in choices:
             text = _cut(c)
-            lp = self.logprobs(c.ids, c.logprobs, c.tops) if self.wants_logprobs else None
+            lp = self.logprobs(c.ids, c.logprobs, c.tops, c.index) if self.wants_logprobs else None
             if self.chat:
                 out.append({"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                             "finish_reason": c.finish_reason})
@@ -264,7 +273,7 @@ class _Shape:
                 out.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
         return {**self.head("whole"), "choices": out, "usage": _usage(prompt_tokens, sum(len(c.ids) for c in choices))}
 
-    def logprobs(self, ids: list[int], lps: list[float], tops: list) -> dict:
+    def logprobs(self, ids: list[int], lps: list[float], tops: list, index: int = 0) -> dict:
         tok = self.ctx.tokenizer
         if self.chat:
             content = []
@@ -275,10 +284,11 @@ class _Shape:
                                                   "bytes": list(tok.decode([a]).encode())} for a, v in top]})
             return {"content": content}
         strs = [tok.decode([t]) for t in ids]
-        offsets, pos = [], 0
+        offsets, pos = [], self.text_offset.get(index, 0)
         for s in strs:
             offsets.append(pos)
             pos += len(s)
+        self.text_offset[index] = pos
         return {"tokens": strs, "token_logprobs": lps, "text_offset": offsets,
                 "top_logprobs": [{tok.decode([a]): v for a, v in top} for top in (tops or [[]] * len(ids))]}
 

@@ -50,6 +50,9 @@ class KVReceiver:
         finally:
             self.arena.release(probe, safe=True)
 
+    def request_bytes(self, tokens: int) -> int:
+        return sum(region_layout(self.cfg, layer, tokens, self.dtype).nbytes for layer in self.layers)
+
     def reserve(self, tokens: int, timeout_s: float) -> Reservation:
         layouts = [region_layout(self.cfg, layer, tokens, self.dtype) for layer in self.layers]
         s = self.arena.allocate(sum(lay.nbytes for lay in layouts))

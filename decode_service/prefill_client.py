@@ -50,6 +50,12 @@ class PrefillPeers:
     def ready(self) -> bool:
         return any(p.ready for p in self.peers)
 
+    @property
+    def max_prompt_tokens(self) -> int | None:
+        """The smallest prompt limit the ready peers announced (None before any answered)."""
+        limits = [p.info.max_prompt_tokens for p in self.peers if p.ready and p.info is not None]
+        return min(limits) if limits else None
+
     async def check(self, timeout_s: float = 2.0) -> None:
         """Refresh readiness; raises LayoutMismatch if a peer runs another model or layout."""
         for p in self.peers:
