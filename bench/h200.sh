@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks recorded in the issue notes, on an H200 machine (one or two GPUs).
+# In a device run: source bench/gpu_prelude.sh && bash bench/h200.sh tests && bash bench/h200.sh tiny ...
 #   bash bench/h200.sh tests|tiny|small   (results under $OUT)
 set -u
 OUT=${OUT:-/tmp/dspark-out}
