@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.sinkhorn import sinkhorn
+
 from .config import ModelConfig, YarnConfig
 
 
@@ -109,7 +111,7 @@ class HyperConnection(nn.Module):
         pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.hc_eps
         post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
         logits = comb_w.unflatten(-1, (n, n)) * self.scale[2] + comb_b.view(n, n)
-        return pre, post, sinkhorn(logits, self.iters, self.hc_eps)
+        return pre, post, sinkhorn(logits, self.iters, self.hc_eps)  # kernels.sinkhorn (reference on the CPU)
 
     def collapse(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [..., n, H] -> (sublayer input [..., H], post, comb)."""
@@ -122,16 +124,6 @@ class HyperConnection(nn.Module):
         """New streams [..., n, H]: post_i * out + sum_j comb[j, i] * streams_j."""
         mixed = torch.matmul(comb.transpose(-1, -2), streams.float())
         return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).to(streams.dtype)
-
-
-def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Row softmax, then alternate column/row normalisation: a doubly stochastic [..., n, n] matrix."""
-    m = torch.softmax(logits, dim=-1) + eps
-    m = m / (m.sum(-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        m = m / (m.sum(-1, keepdim=True) + eps)
-        m = m / (m.sum(-2, keepdim=True) + eps)
-    return m
 
 
 class HyperHead(nn.Module):
