@@ -76,7 +76,10 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights/ids [T, k] -> [T, H]. Ids of -1 are skipped."""
-        if x.is_cuda and (torch.cuda.is_current_stream_capturing() or x.shape[0] * ids.shape[1] >= self.w1.shape[0]):
+        t, k, e = x.shape[0], ids.shape[1], self.w1.shape[0]
+        # decode-sized batches on the GPU (and anything being captured in a CUDA graph) take the dense path: nearly
+        # every expert is hit anyway; prefill-sized ones would waste E/k times the FLOPs there
+        if x.is_cuda and (torch.cuda.is_current_stream_capturing() or (t * k >= e and t <= 512)):
             return self.dense(x, weights, ids)
         return self.sparse(x, weights, ids)
 
