@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Iterator
 
 import torch
 
@@ -231,14 +230,6 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.finish(req, reason)
         self.stops.pop(req.request_id, None)
-
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StepOutput]:
-        """Run one request to completion, yielding its outputs as they come (other requests also advance)."""
-        req = self.add_request(prompt_ids, params)
-        while req.finish_reason is None:
-            for o in self.step():
-                if o.request_id == req.request_id:
-                    yield o
 
 
 def _top_logprobs(logp: torch.Tensor, reqs: list[Request]) -> list[list[list[tuple[int, float]]]]:

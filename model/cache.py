@@ -16,7 +16,7 @@ import torch
 
 from .attention import LayerPending, LayerView
 from .compressor import CompressorOut
-from .config import CSA, ModelConfig, SWA
+from .config import CSA, ModelConfig
 from .target import StepBatch
 
 SCRATCH = 0
@@ -126,13 +126,7 @@ class CachePool:
         pool.view(-1, pool.shape[-1]).index_put_((dest.flatten(),), out.entries.flatten(0, 1))
 
 
-def blocks_needed(tokens: int, ratio: int, block_size: int) -> int:
-    """Blocks a request holding `tokens` tokens needs for its ratio-`ratio` entries."""
-    return -(-(tokens // ratio) // block_size)
-
-
 def ratios_of(cfg: ModelConfig, layers: range) -> tuple[int, ...]:
     return tuple(sorted({cfg.ratio(i) for i in layers} - {0}))
 
 
-__all__ = ["CachePool", "SCRATCH", "blocks_needed", "ratios_of", "SWA"]

@@ -8,7 +8,6 @@ import logging
 import time
 from pathlib import Path
 
-import torch
 
 from . import keys
 from .checkpoint import to_layout, write_shards
