@@ -246,6 +246,7 @@ class _Shape:
         self.ctx, self.rid, self.chat = ctx, rid, chat
         self.created = int(time.time())
         self.wants_logprobs = body.alternatives is not None
+        self.include_usage = body.include_usage
         self.text_offset: dict[int, int] = {}  # legacy completions: per choice, offsets run on across chunks
 
     def head(self, kind: str) -> dict:
@@ -259,7 +260,10 @@ class _Shape:
             choice = {"index": index, "delta": d, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": index, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
-        return {**self.head("chunk"), "choices": [choice]}
+        chunk = {**self.head("chunk"), "choices": [choice]}
+        if self.include_usage:
+            chunk["usage"] = None  # only the final chunk carries usage
+        return chunk
 
     def whole(self, choices: list[_Choice], prompt_tokens: int) -> dict:
         out = []

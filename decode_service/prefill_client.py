@@ -39,7 +39,6 @@ class Peer:
 class PrefillPeers:
     def __init__(self, addresses: list[str], layout_hash: str):
         self.layout_hash = layout_hash
-        self._where: dict[str, Peer] = {}  # request id -> peer prefilling it
         self._background: set[asyncio.Task] = set()
         self.peers = []
         for a in addresses:
@@ -84,15 +83,15 @@ class PrefillPeers:
         peer = self._pick()
         n = len(request.token_ids)
         peer.outstanding_tokens += n
-        self._where[request.request_id] = peer
         try:
             return await peer.stub.Prefill(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as e:
             code = e.code()
             if code == grpc.StatusCode.UNAVAILABLE and not e.details().startswith(("destination", "request")):
                 peer.ready = False  # the peer itself is unreachable (not our own Mooncake endpoint)
-            # the service answered, so its round is over (nothing writes any more) unless the deadline cut us off
-            safe = code not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+            # refused before any work started: nothing can write. Otherwise only an answered Cancel proves it (the
+            # service remembers cancelled ids, so a late Prefill is refused too); without one, quarantine
+            safe = code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
             if not safe:
                 safe = await self.cancel(peer, request.request_id)
             raise PrefillUnavailable(f"prefill on {peer.address} failed: {code.name}: {e.details()}", safe) from e
@@ -106,12 +105,6 @@ class PrefillPeers:
             raise
         finally:
             peer.outstanding_tokens -= n
-            self._where.pop(request.request_id, None)
-
-    async def cancel_request(self, request_id: str, peer: Peer | None = None) -> bool:
-        """Cancel a prefill in flight (the caller went away); True once nothing writes for it any more."""
-        peer = peer or self._where.get(request_id)
-        return peer is not None and await self.cancel(peer, request_id)
 
     async def cancel(self, peer: Peer, request_id: str) -> bool:
         """True once the peer acknowledged that nothing writes for the request any more."""
