@@ -280,13 +280,11 @@ class _Shape:
     def logprobs(self, ids: list[int], lps: list[float], tops: list, index: int = 0) -> dict:
         tok = self.ctx.tokenizer
         if self.chat:
-            content = []
-            for t, lp, top in zip(ids, lps, tops or [[]] * len(ids)):
-                s = tok.decode([t])
-                content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
-                                "top_logprobs": [{"token": tok.decode([a]), "logprob": v,
-                                                  "bytes": list(tok.decode([a]).encode())} for a, v in top]})
-            return {"content": content}
+            def entry(t: int, lp: float) -> dict:
+                raw = tok.token_bytes(t)
+                return {"token": raw.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(raw)}
+            return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]}
+                                for t, lp, top in zip(ids, lps, tops or [[]] * len(ids))]}
         strs = [tok.decode([t]) for t in ids]
         offsets, pos = [], self.text_offset.get(index, 0)
         for s in strs:

@@ -3,6 +3,7 @@ the small byte-level BPE tokenizer that generated checkpoints ship (from a corpu
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -55,6 +56,7 @@ class Tokenizer:
         cfg = json.loads((d / "tokenizer_config.json").read_text())
         self.bos_token, self.eos_token = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
         self.eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self._special = {t.content for t in self._tok.get_added_tokens_decoder().values()}
         template = cfg.get("chat_template") or CHAT_TEMPLATE
         self._template = jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(template)
 
@@ -68,12 +70,39 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (a byte-level BPE token may hold part of a UTF-8 character)."""
+        text = self._tok.id_to_token(token_id)
+        if text is None:
+            return b""
+        if self._tok.token_to_id(text) is not None and text in self._special:
+            return text.encode()
+        table = _byte_level_table()
+        if all(c in table for c in text):
+            return bytes(table[c] for c in text)
+        return self.decode([token_id]).encode()
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return self.encode(self.render_chat(messages))
+
+
+@functools.cache
+def _byte_level_table() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins: character -> the byte it encodes (the GPT-2 scheme: printable Latin-1
+    bytes stand for themselves, the others map to code points from 256 up, in byte order)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
 
 
 def _token_text(t) -> str | None:

@@ -104,3 +104,18 @@ def test_bad_sampling_params():
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
+
+
+def test_token_bytes_reassemble_the_text():
+    tok = Tokenizer("model/data/tiny")
+    text = "Héllo wörld — 日本 ok\n\tend"
+    ids = tok.encode(text)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+
+    def partial(b: bytes) -> bool:
+        try:
+            b.decode("utf-8")
+            return False
+        except UnicodeDecodeError:
+            return True
+    assert any(partial(tok.token_bytes(i)) for i in ids)  # some tokens hold part of a character

@@ -257,3 +257,16 @@ def test_api_key_and_overload(pair):
         assert second.status_code == 429 and second.headers.get("retry-after") == "1"
     finally:
         other.decode.stop()
+
+
+def test_chat_logprobs_bytes_rebuild_the_answer(pair):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": QUESTIONS[1]}], "max_tokens": 16,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    r = httpx.post(f"{pair.url}/v1/chat/completions", json=body, timeout=60).json()
+    choice = r["choices"][0]
+    entries = choice["logprobs"]["content"]
+    assert len(entries) == r["usage"]["completion_tokens"] == 16
+    assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["logprob"] >= e["logprob"] - 1e-6
+               for e in entries)
+    raw = b"".join(bytes(e["bytes"]) for e in entries)
+    assert raw.decode("utf-8", errors="replace") == choice["message"]["content"]
