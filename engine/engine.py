@@ -163,7 +163,7 @@ class Engine:
         p = probs_from_logits(logits.flatten(0, 1), rows.temperature.repeat_interleave(b + 1),
                               rows.top_p.repeat_interleave(b + 1)).view(bp, b + 1, v)
         pos = rows.start[:, None] + 1 + torch.arange(b + 1, device=logits.device)  # positions of emitted tokens
-        u_acc = torch.stack([uniform(rows.seed, pos[:, i], ACCEPT, 1)[:, 0] for i in range(b)], 1)
+        u_acc = uniform(rows.seed, pos[:, 0], ACCEPT, b)  # one lane per draft position of this step
         n_acc, last = accept(p, draft.probs, draft.tokens, u_acc, self._pick_uniform(rows.seed, pos))
         accepted = (n_acc + 1).masked_fill(rows.is_padding, 0)
         self.runner.commit([r.cache for r in reqs], batch, out, accepted[:n_real].tolist())
