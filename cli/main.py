@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import runpy
 import sys
+from pathlib import Path
 
 from . import options
 from .checkpoint import MakeCheckpointConfig
 from .generate import GenerateConfig
 from .pair import DemoConfig, UpConfig
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"  # present in a source checkout, not in a wheel
 from decode_service.config import DecodeConfig
 from prefill_service.config import PrefillConfig
 
@@ -30,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     options.add_options(upp, UpConfig)
     dem = sub.add_parser("demo", help="the pair on the bundled tiny checkpoint, a few chat requests, metrics")
     options.add_options(dem, DemoConfig)
+    ben = sub.add_parser("bench", help="run a benchmark from bench/ (options after the name go to it; try --help)")
+    ben.add_argument("name", choices=sorted(p.stem for p in BENCH.glob("*.py")), help="which benchmark")
+    ben.add_argument("args", nargs=argparse.REMAINDER, help="its options")
     return p
 
 
@@ -43,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "generate":
             from .generate import run
             return run(options.build(GenerateConfig, ns))
+        if ns.command == "bench":
+            sys.argv = [str(BENCH / f"{ns.name}.py"), *ns.args]
+            runpy.run_path(sys.argv[0], run_name="__main__")
+            return 0
         if ns.command == "up":
             from .pair import up
             return up(options.build(UpConfig, ns))

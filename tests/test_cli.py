@@ -56,3 +56,9 @@ def test_bad_values_give_clear_errors(tmp_path):
     assert r.returncode == 2 and "config.json" in r.stderr
     r = dspark("make-checkpoint", "--preset", "huge", str(tmp_path))
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_bench_subcommand_runs_a_benchmark():
+    r = dspark("bench", "spec_cpu", "--requests", "1", "--prompt", "8", "--max-tokens", "6")
+    assert r.returncode == 0, r.stderr
+    assert "forced acceptance" in r.stdout and "accept len" in r.stdout

@@ -254,3 +254,37 @@ def _debug(receiver, res, reference, n, layer):
     got, want = receiver.region(res, layer), reference[n][1][layer]
     return {p.name: float((piece_view(got, lay, p.name).float() - piece_view(want, lay, p.name).float()).abs().max())
             for p in lay.pieces}
+
+
+def test_multi_node_rendezvous_through_env(receiver, reference):
+    """Stages started separately with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (as on Kubernetes, one pod per rank)
+    form one pipeline; rank 0 serves gRPC."""
+    from .serving import Service
+
+    port, master = free_port(), free_port()
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)}
+    args = ["serve-prefill", "--model", str(TINY), "--port", str(port), "--threads", "1",
+            "--max-prompt-tokens", "4096", "--batch-tokens", "8192"]
+    import subprocess
+    import sys
+    worker = subprocess.Popen([sys.executable, "-m", "cli.main", *args], env={**__import__("os").environ, **env,
+                              "RANK": "1", "MC_LOG_LEVEL": "ERROR"}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    leader = Service(args, "prefill service ready", env={**env, "RANK": "0"})
+    try:
+        async def main():
+            ch, stub, h = await _stub(port)
+            info = await stub.GetInfo(prefill_pb2.InfoRequest())
+            res = receiver.reserve(40, 60)
+            rep = await stub.Prefill(_request(receiver, res, _prompt(40), "mn1", h), timeout=60)
+            await ch.close()
+            return info, rep, res
+        info, rep, res = asyncio.run(main())
+        assert [(s.first_layer, s.last_layer) for s in info.stages] == [(0, 3), (3, 6)]
+        assert rep.first_token == reference[40][0]
+        assert torch.equal(receiver.region(res, 5), reference[40][1][5])
+        receiver.release(res, safe=True)
+    finally:
+        leader.stop()
+        worker.kill()
+        worker.wait()
