@@ -169,14 +169,15 @@ class Engine:
         self.runner.commit([r.cache for r in reqs], batch, out, accepted[:n_real].tolist())
         self.proposer.extend_context(self.runner.pool, batch, out.aux, accepted)
         logp = torch.log_softmax(logits, -1)
-        drafts = draft.tokens.tolist()
-        outputs = []
+        emitted = torch.cat((draft.tokens, last[:, None]), 1)  # accepted drafts, then `last` at position n
+        emitted.scatter_(1, n_acc[:, None], last[:, None])
+        emitted_lp = logp.gather(-1, emitted[..., None]).squeeze(-1)
         tops = _top_logprobs(logp[:n_real], reqs)
-        for i, (r, n, t) in enumerate(zip(reqs, n_acc.tolist(), last.tolist())):
-            ids = drafts[i][:n] + [t]
-            lps = logp[i, torch.arange(n + 1), torch.tensor(ids, device=logp.device)].tolist()
+        outputs = []  # one transfer to the host for the whole batch
+        for i, (r, n, ids, lps) in enumerate(zip(reqs, n_acc.tolist(), emitted[:n_real].tolist(),
+                                                 emitted_lp[:n_real].tolist())):
             r.drafted, r.accepted = r.drafted + b, r.accepted + n
-            outputs.append(self._append(r, ids, lps, tops[i][:n + 1]))
+            outputs.append(self._append(r, ids[:n + 1], lps[:n + 1], tops[i][:n + 1]))
         return outputs
 
     @staticmethod
