@@ -17,7 +17,7 @@ import argparse  # noqa: E402
 import httpx  # noqa: E402
 
 import model  # noqa: E402
-from cli.generate import resolve_device  # noqa: E402
+from engine.devices import resolve_device  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.runner import CacheSizing  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402

@@ -21,8 +21,8 @@ import time
 import grpc
 import torch
 
-from cli.generate import resolve_device
 from decode_service.kv_receiver import KVReceiver
+from engine.devices import resolve_device
 from model.config import load_config
 from proto import prefill_pb2, prefill_pb2_grpc
 from transfer.mooncake import MooncakeEngine, Write

@@ -29,17 +29,9 @@ class GenerateConfig:
             raise ValueError(f"--max-tokens must be >= 1, got {self.max_tokens}")
 
 
-def resolve_device(device: str, dtype: str):
-    import torch
-
-    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-    if dtype == "auto":
-        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
-    return dev, getattr(torch, dtype)
-
-
 def run(cfg: GenerateConfig) -> int:
     import model
+    from engine.devices import resolve_device
     from engine.engine import Engine
     from engine.sampling import SamplingParams
     from model.tokenizer import IncrementalDecoder, Tokenizer

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 import model
-from cli.generate import resolve_device
+from engine.devices import resolve_device
 from engine.engine import Engine
 from engine.proposer import DSparkProposer
 from engine.runner import CacheSizing

@@ -20,10 +20,17 @@ from model.tokenizer import Tokenizer
 
 from .batch import BUCKETS, bucket_for
 from .graphs import StepGraphs
+from .proposer import DraftRows, Proposer
 from .request import Request, StepOutput
 from .runner import CacheSizing, ModelRunner
-from .proposer import DraftRows, Proposer
-from .sampling import ACCEPT, TARGET, SamplingParams, probs_from_logits, sample_from_probs, uniform
+from .sampling import (
+    ACCEPT,
+    TARGET,
+    SamplingParams,
+    probs_from_logits,
+    sample_from_probs,
+    uniform,
+)
 from .scheduler import Scheduler
 from .stops import StopChecker
 

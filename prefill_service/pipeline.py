@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from cli.generate import resolve_device
+from engine.devices import resolve_device
 from model.config import load_config
 
 from .config import PrefillConfig, split_layers

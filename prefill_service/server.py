@@ -13,7 +13,13 @@ import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
 
 from proto import prefill_pb2, prefill_pb2_grpc
 from transfer.layout import layout_hash, region_layout, transfer_layers
