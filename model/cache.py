@@ -39,12 +39,12 @@ class CachePool:
             if r == 0:
                 continue
             overlap = cfg.kind(i) == CSA
-            span, width = r * (2 if overlap else 1), d * (2 if overlap else 1)
-            self.carry_kv[i] = torch.zeros(num_slots, span - 1, width, dtype=torch.float32, **z)
+            self.carry_kv[i] = torch.zeros(num_slots, *cfg.carry_shape(i), dtype=torch.float32, **z)
             self.carry_gate[i] = torch.zeros_like(self.carry_kv[i])
             self.entries[i] = torch.zeros(num_blocks[r], block_size, d, dtype=dtype, **z)
             if overlap:
-                self.idx_carry_kv[i] = torch.zeros(num_slots, span - 1, 2 * di, dtype=torch.float32, **z)
+                self.idx_carry_kv[i] = torch.zeros(num_slots, *cfg.carry_shape(i, indexer=True), dtype=torch.float32,
+                                                   **z)
                 self.idx_carry_gate[i] = torch.zeros_like(self.idx_carry_kv[i])
                 self.idx_entries[i] = torch.zeros(num_blocks[r], block_size, di, dtype=dtype, **z)
 

@@ -105,6 +105,15 @@ class ModelConfig:
     def kind(self, layer: int) -> str:
         return _KIND_BY_RATIO[self.compress_ratios[layer]]
 
+    def carry_shape(self, layer: int, indexer: bool = False) -> tuple[int, int]:
+        """(tokens, width) of the compressor projections a CSA/HCA layer carries between calls: the longest
+        partial span (2r - 1 with CSA's overlap, r - 1 without) at twice the head width with overlap."""
+        r, overlap = self.ratio(layer), self.kind(layer) == CSA
+        if r == 0:
+            raise ValueError(f"layer {layer} has no compressor")
+        head = self.index_head_dim if indexer else self.head_dim
+        return r * (2 if overlap else 1) - 1, head * (2 if overlap else 1)
+
     def is_hash_layer(self, layer: int) -> bool:
         return layer < self.num_hash_layers
 

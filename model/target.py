@@ -144,13 +144,11 @@ def empty_view(cfg: ModelConfig, layer: int, batch: StepBatch, dtype: torch.dtyp
     ratio = cfg.ratio(layer)
     if ratio == 0:
         return LayerView(swa=swa)
-    span = ratio * (2 if ratio == 4 else 1)
-    width = d * (2 if ratio == 4 else 1)
-    carry = torch.zeros(b, span - 1, width, device=dev, dtype=torch.float32)
+    carry = torch.zeros(b, *cfg.carry_shape(layer), device=dev, dtype=torch.float32)
     entries = torch.zeros(b, 0, d, device=dev, dtype=dtype)
     if ratio != 4:
         return LayerView(swa=swa, carry_kv=carry, carry_gate=carry, entries=entries)
     di = cfg.index_head_dim
-    icarry = torch.zeros(b, 7, 2 * di, device=dev, dtype=torch.float32)
+    icarry = torch.zeros(b, *cfg.carry_shape(layer, indexer=True), device=dev, dtype=torch.float32)
     return LayerView(swa=swa, carry_kv=carry, carry_gate=carry, entries=entries, idx_carry_kv=icarry,
                      idx_carry_gate=icarry, idx_entries=torch.zeros(b, 0, di, device=dev, dtype=dtype))

@@ -54,14 +54,13 @@ def _shapes(cfg: ModelConfig, layer: int, tokens: int, dtype: torch.dtype) -> li
     r = cfg.ratio(layer) if layer < cfg.num_hidden_layers else 0
     if r == 0:
         return out
-    overlap = cfg.kind(layer) == CSA
-    c, cw = r * (2 if overlap else 1) - 1, d * (2 if overlap else 1)
-    out += [("carry_kv", (c, cw), torch.float32), ("carry_gate", (c, cw), torch.float32),
+    carry = cfg.carry_shape(layer)
+    out += [("carry_kv", carry, torch.float32), ("carry_gate", carry, torch.float32),
             ("entries", (tokens // r, d), dtype)]
-    if overlap:
-        di = cfg.index_head_dim
-        out += [("idx_carry_kv", (c, 2 * di), torch.float32), ("idx_carry_gate", (c, 2 * di), torch.float32),
-                ("idx_entries", (tokens // r, di), dtype)]
+    if cfg.kind(layer) == CSA:
+        icarry = cfg.carry_shape(layer, indexer=True)
+        out += [("idx_carry_kv", icarry, torch.float32), ("idx_carry_gate", icarry, torch.float32),
+                ("idx_entries", (tokens // r, cfg.index_head_dim), dtype)]
     return out
 
 
