@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks recorded in the issue notes, on an H200 machine (one or two GPUs).
 # In a device run: source bench/gpu_prelude.sh && bash bench/h200.sh tests && bash bench/h200.sh tiny ...
-#   bash bench/h200.sh tests|tiny|small   (results under $OUT)
+#   bash bench/h200.sh tests|tiny|small|more   (results under $OUT; more: no-spec baseline, decode on cuda:1)
 set -u
 OUT=${OUT:-/tmp/dspark-out}
 mkdir -p "$OUT"
@@ -9,9 +9,13 @@ export MC_LOG_LEVEL=ERROR NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 NGPU=$(nvidia-smi -L | wc -l)
 
-wait_for() {  # file text seconds
-  for _ in $(seq 1 "$3"); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 1; done
-  echo "timeout waiting for '$2' in $1"; tail -40 "$1"; return 1
+wait_for() {  # file text seconds pid: returns early (failing) when the process exits
+  for _ in $(seq 1 "$3"); do
+    grep -q "$2" "$1" 2>/dev/null && return 0
+    kill -0 "$4" 2>/dev/null || { echo "process exited before '$2' in $1"; tail -30 "$1"; return 1; }
+    sleep 1
+  done
+  echo "timeout waiting for '$2' in $1"; tail -30 "$1"; return 1
 }
 
 pair() {  # label model prefill-args decode-args
@@ -20,10 +24,10 @@ pair() {  # label model prefill-args decode-args
   $PY -m cli.main serve-prefill --model "$model" --port $gp --master-port $((29000 + RANDOM % 500)) $pargs \
     > "$OUT/$label.prefill.log" 2>&1 &
   local ppid=$!
-  wait_for "$OUT/$label.prefill.log" "prefill service ready" 400 || { kill $ppid; return 1; }
+  wait_for "$OUT/$label.prefill.log" "prefill service ready" 300 $ppid || { kill $ppid; return 1; }
   $PY -m cli.main serve-decode --model "$model" --prefill 127.0.0.1:$gp --port $hp $dargs > "$OUT/$label.decode.log" 2>&1 &
   local dpid=$!
-  if wait_for "$OUT/$label.decode.log" "decode service ready" 400; then
+  if wait_for "$OUT/$label.decode.log" "decode service ready" 300 $dpid; then
     for _ in $(seq 1 60); do curl -sf http://127.0.0.1:$hp/ready >/dev/null && break; sleep 1; done
     URL=http://127.0.0.1:$hp GRPC=127.0.0.1:$gp
     shift 4
@@ -52,22 +56,23 @@ tiny)  # PD == aggregated on the GPU(s): fp32 without simulations, so equality i
   fi
   cat "$OUT/tiny_equality.txt"
   ;;
-small)
+small|more)
   [ -f checkpoints/small/config.json ] || $PY -m cli.main make-checkpoint --preset small --dtype bf16 checkpoints/small \
     > "$OUT/make_small.txt" 2>&1
   serve() { $PY bench/serve.py --url "$URL" --concurrency "${CONC:-1,8,32}" --requests 16 --prompt 256 \
             --max-tokens 64 --label "$LABEL" >> "$OUT/serve.txt" 2>&1; }
   both() { serve; $PY bench/transfer.py --prefill "$GRPC" --model checkpoints/small --device cuda:0 \
-           --lengths 128,512,2048,8192 --repeats 2 --label "$LABEL" >> "$OUT/transfer.txt" 2>&1; }
+           --lengths 128,512,2048,8000 --repeats 2 --label "$LABEL" >> "$OUT/transfer.txt" 2>&1; }
   D="--max-model-len 4096"
-  LABEL="[PP=1, one GPU, spec]" pair s1 checkpoints/small "--pp 1" "--device cuda:0 $D" both
-  if [ "$NGPU" -ge 2 ]; then
-    LABEL="[PP=2 cuda:0+1, decode cuda:0, spec]" pair s3 checkpoints/small "--pp 2" "--device cuda:0 $D" both
-  fi
-  if [ -n "${MORE:-}" ]; then
-    LABEL="[PP=1, one GPU, no-spec]" pair s1n checkpoints/small "--pp 1" "--device cuda:0 --no-spec $D" serve
-    LABEL="[PP=1 cuda:0, decode cuda:1]" pair s2 checkpoints/small "--pp 1" "--device cuda:1 $D" both
-  fi
+  # s1: PP=1 spec; s3: PP=2 across both GPUs; s1n: the no-spec baseline; s2: decode on the second GPU
+  [ "$1" = small ] && PAIRS=${PAIRS:-s1,s3} || PAIRS=${PAIRS:-s1n,s2}
+  has() { [[ ",$PAIRS," == *",$1,"* ]]; }
+  has s1 && LABEL="[PP=1, one GPU, spec]" pair s1 checkpoints/small "--pp 1" "--device cuda:0 $D" both
+  has s3 && [ "$NGPU" -ge 2 ] && LABEL="[PP=2 cuda:0+1, decode cuda:0, spec]" pair s3 checkpoints/small "--pp 2" \
+    "--device cuda:0 $D" both
+  has s1n && LABEL="[PP=1, one GPU, no-spec]" pair s1n checkpoints/small "--pp 1" "--device cuda:0 --no-spec $D" serve
+  has s2 && [ "$NGPU" -ge 2 ] && LABEL="[PP=1 cuda:0, decode cuda:1, spec]" pair s2 checkpoints/small "--pp 1" \
+    "--device cuda:1 $D" serve
   cat "$OUT/serve.txt" "$OUT/transfer.txt" 2>/dev/null
   ;;
 esac

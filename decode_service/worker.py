@@ -78,6 +78,8 @@ class EngineWorker:
     def _run(self) -> None:
         if self._threads:
             torch.set_num_threads(self._threads)
+        if self.engine.runner.device.type == "cuda":
+            torch.cuda.set_device(self.engine.runner.device)  # this thread's launches go to the engine's GPU
         while not self._stop.is_set():
             self._drain(block=not self.engine.has_work())
             if self.engine.has_work():

@@ -35,10 +35,13 @@ class StepGraphs:
 
     def capture(self) -> None:
         t = time.perf_counter()
-        for b in sorted(self.buckets, reverse=True):  # largest first: smaller graphs reuse its memory
-            self._verify[b] = self._capture_verify(b)
-            if self.proposer is not None:
-                self._propose[b] = self._capture_propose(b)
+        # capture and replay under the model's device: streams and graphs belong to the calling thread's current
+        # device, which is cuda:0 unless set (a model on cuda:1 otherwise fails with "operation not permitted")
+        with torch.cuda.device(self.runner.device):
+            for b in sorted(self.buckets, reverse=True):  # largest first: smaller graphs reuse its memory
+                self._verify[b] = self._capture_verify(b)
+                if self.proposer is not None:
+                    self._propose[b] = self._capture_propose(b)
         log.info("captured decode graphs for buckets %s (K=%d) in %.1fs", self.buckets, self.k,
                  time.perf_counter() - t)
 
@@ -94,12 +97,14 @@ class StepGraphs:
             src = batch.tables[r]
             t.zero_()
             t[:, :src.shape[1]].copy_(src)
-        g.replay()
+        with torch.cuda.device(self.runner.device):
+            g.replay()
         return out, logits
 
     def propose(self, rows: DraftRows) -> Draft:
         g, static, draft = self._propose[rows.anchor.shape[0]]
         for f in fields(DraftRows):
             getattr(static, f.name).copy_(getattr(rows, f.name))
-        g.replay()
+        with torch.cuda.device(self.runner.device):
+            g.replay()
         return draft

@@ -68,3 +68,16 @@ def test_graph_verify_logits_equal_eager():
     out_e = runner.extend(batch, capture=eng.proposer.capture)
     logits_e = target.logits(out_e.streams)
     torch.testing.assert_close(logits_g[:3], logits_e[:3], atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_graphed_engine_on_a_second_gpu():
+    """The model on cuda:1 while the calling thread's current device is cuda:0 (the decode service's case with
+    --device cuda:1): capture and replay must happen on the model's device."""
+    assert torch.cuda.current_device() == 0
+    target, drafter = _models("cuda:1")
+    prompts = [random_ids(n, seed=n)[0].tolist() for n in (5, 40, 150)]
+    plain = _run(Engine(target, sizing=SIZING), prompts)
+    graphed = _run(Engine(target, sizing=SIZING, proposer=DSparkProposer(drafter, target), cuda_graphs=True,
+                          max_model_len=512), prompts)
+    assert graphed == plain
