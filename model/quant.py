@@ -9,6 +9,8 @@ Loading also accepts fp32 scales.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FP8_MAX = 448.0
@@ -19,6 +21,13 @@ FP4_BLOCK = 32
 _FP4_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 
 
+@functools.cache
+def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP4_VALUES and the rounding midpoints on `device`, copied once: a decode step captured as a CUDA graph may
+    not copy from the host (the first eager call, before capture, fills this cache)."""
+    return FP4_VALUES.to(device), _FP4_MIDPOINTS.to(device)
+
+
 def _pow2_scale(amax: torch.Tensor, qmax: float, floor: float = 1e-30) -> torch.Tensor:
     """Smallest power of two s with amax / s <= qmax (ue8m0 scales)."""
     amax = amax.float().clamp(min=floor)
@@ -27,7 +36,7 @@ def _pow2_scale(amax: torch.Tensor, qmax: float, floor: float = 1e-30) -> torch.
 
 def fp4_codes(x: torch.Tensor) -> torch.Tensor:
     """Round x (already scaled into [-6, 6]) to e2m1 codes, ties to even: [...] int64 in 0..15."""
-    mids = _FP4_MIDPOINTS.to(x.device)
+    mids = _constants(x.device)[1]
     a = x.abs().clamp(max=6.0)
     code = torch.bucketize(a, mids)
     tie = (a == mids[code.clamp(max=len(mids) - 1)]) & (code % 2 == 1)
@@ -55,7 +64,7 @@ def fp4_roundtrip(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
     """Quantise to e2m1 with one power-of-two scale per block and back (the indexer's QAT simulation)."""
     def q(t):
         s = _pow2_scale(t.abs().amax(-1, keepdim=True), 6.0, 6 * 2.0 ** -126)
-        return FP4_VALUES.to(t.device)[fp4_codes(t / s)] * s
+        return _constants(t.device)[0][fp4_codes(t / s)] * s
     return _blockwise(x, block, q)
 
 
@@ -112,5 +121,5 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"fp4 scale has shape {tuple(scale.shape)}, expected {(out_dim, 2 * half // FP4_BLOCK)}")
     p = packed.view(torch.uint8).long()
     codes = torch.stack((p & 0xF, p >> 4), -1).view(out_dim, 2 * half)
-    values = FP4_VALUES.to(packed.device)[codes]
+    values = _constants(packed.device)[0][codes]
     return (values.view(out_dim, -1, FP4_BLOCK) * scale.float()[..., None]).view(out_dim, 2 * half)

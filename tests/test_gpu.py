@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 SIZING = CacheSizing(max_requests=4, max_tokens=4096, block_size=16)
 
 
-def _models(device):
-    target = tiny_model().to(device)
+def _models(device, qat_sim=False):
+    target = tiny_model(qat_sim=qat_sim).to(device)
     drafter = Drafter(target.cfg)
     init_random_(drafter, 7, target.cfg.n_routed_experts)
     return target, drafter.to(device)
@@ -53,8 +53,11 @@ def test_graphed_steps_equal_eager_and_stay_lossless():
     assert eager == plain and graphed == plain and plain_graphed == plain
 
 
-def test_graph_verify_logits_equal_eager():
-    target, drafter = _models("cuda")
+@pytest.mark.parametrize("qat_sim", [False, True])
+def test_graph_verify_logits_equal_eager(qat_sim):
+    """With the fp8/fp4 simulations on, capture must also work (no host copies inside the step); a rounding
+    boundary crossed in the last bit can move a logit further, hence the looser bound there."""
+    target, drafter = _models("cuda", qat_sim)
     eng = Engine(target, sizing=SIZING, proposer=DSparkProposer(drafter, target), cuda_graphs=True,
                  max_model_len=512)
     runner = eng.runner
@@ -67,7 +70,7 @@ def test_graph_verify_logits_equal_eager():
     logits_g = logits_g.clone()
     out_e = runner.extend(batch, capture=eng.proposer.capture)
     logits_e = target.logits(out_e.streams)
-    torch.testing.assert_close(logits_g[:3], logits_e[:3], atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits_g[:3], logits_e[:3], atol=5e-2 if qat_sim else 1e-4, rtol=0)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
