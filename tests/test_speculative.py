@@ -146,3 +146,25 @@ def test_context_kv_only_drafter_matches_the_full_drafter():
     pos = torch.arange(50)[None]
     for a, b in zip(ctx(out.aux, pos), full.context_kv(out.aux, pos)):
         assert torch.equal(a, b)
+
+
+def test_bf16_checkpoint_speculates():
+    """The bundled checkpoint loaded as bf16 (the serving dtype): the drafter's heads mix fp32 and bf16 tensors,
+    which fp32-only tests never exercise. Outputs equal the non-speculative engine's for these prompts with this
+    torch build (bf16 verification of 5 tokens and single-token decode happen to round alike here)."""
+    from model.checkpoint import load, load_drafter
+
+    target = load("model/data/tiny", "cpu", torch.bfloat16)
+    drafter = load_drafter("model/data/tiny", "cpu", torch.bfloat16)
+    sizing = CacheSizing(max_requests=4, max_tokens=4096, block_size=16)
+
+    def run(engine):
+        reqs = [engine.add_request(list(range(5, 5 + n)), SamplingParams(max_tokens=20, ignore_eos=True))
+                for n in (7, 40)]
+        while engine.has_work():
+            engine.step()
+        return [r.output_ids for r in reqs]
+
+    spec = run(Engine(target, sizing=sizing, proposer=DSparkProposer(drafter, target)))
+    assert [len(o) for o in spec] == [20, 20]
+    assert spec == run(Engine(target, sizing=sizing))
