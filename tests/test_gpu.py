@@ -70,7 +70,7 @@ def test_graph_verify_logits_equal_eager(qat_sim):
         runner.prefill(rc, random_ids(n, seed=n)[0].tolist())
     rows = [(rc, random_ids(5, seed=i)[0].tolist()) for i, rc in enumerate(rcs)]
     batch = runner.batch(rows, pad_to=4)
-    out_g, logits_g = eng.graphs.verify(batch)
+    _, logits_g = eng.graphs.verify(batch)
     logits_g = logits_g.clone()
     out_e = runner.extend(batch, capture=eng.proposer.capture)
     logits_e = target.logits(out_e.streams)
@@ -96,6 +96,6 @@ def test_graphed_engine_on_a_second_gpu():
     capture on cuda:1 fails with "operation not permitted when stream is capturing" (seen on the H200 x2 machine;
     the cause is not found yet, see the issue note)."""
     code = "from tests.test_gpu import _second_gpu_body; _second_gpu_body()"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stderr[-4000:]
