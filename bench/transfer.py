@@ -66,6 +66,9 @@ async def run(args) -> None:
             exposed = max(s.transfer_wait_s for s in reply.stages)
             print(f"{n:>7}{nbytes / 2**20:>8.2f}{nbytes / n:>9.0f}{rpc * 1e3:>9.1f}{compute * 1e3:>12.1f}"
                   f"{exposed * 1e3:>12.2f}{raw * 1e3:>14.2f}{exposed / raw:>13.2f}{exposed / rpc:>15.1%}")
+            if len(reply.stages) > 1:  # which stage waits: compute (from the stage's start) / write wait, in ms
+                print("        per stage (compute / write wait ms): " + ", ".join(
+                    f"stage {s.stage}: {s.compute_s * 1e3:.1f} / {s.transfer_wait_s * 1e3:.2f}" for s in reply.stages))
 
 
 def main() -> None:
