@@ -32,9 +32,12 @@ def metric_sum(text: str, name: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+LOGPROBS = {"logprobs": 0}  # a chunk per step, text or not (see the module docstring)
+
+
 async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "logprobs": 0}  # a chunk per step, text or not (see the module docstring)
+            **LOGPROBS}
     t0 = time.perf_counter()
     stamps = []
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -79,7 +82,11 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--label", default="")
+    ap.add_argument("--text-chunks", action="store_true",
+                    help="no logprobs: chunks only when text appears (TTFT is then the first visible text)")
     args = ap.parse_args()
+    if args.text_chunks:
+        LOGPROBS.clear()
     models = httpx.get(f"{args.url}/v1/models").json()["data"]
     model = models[0]["id"]
     vocab = 1000

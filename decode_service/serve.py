@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import uvicorn
 
@@ -11,6 +12,9 @@ from .config import DecodeConfig
 
 
 def serve(cfg: DecodeConfig, log_level: str = "INFO") -> int:
+    # the engine thread holds the GIL for most of a GPU step; with the default 5 ms interval the event loop waits
+    # that long to send each step's chunk (bench: ITL 14.6 -> 10.4 ms on the tiny model, H200)
+    sys.setswitchinterval(cfg.switch_interval_ms / 1e3)
     app = create_app(cfg)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level.lower(),
                                            lifespan="on", timeout_graceful_shutdown=5))

@@ -56,6 +56,8 @@ def test_bad_values_give_clear_errors(tmp_path):
     assert r.returncode == 2 and "config.json" in r.stderr
     r = dspark("make-checkpoint", "--preset", "huge", str(tmp_path))
     assert r.returncode == 2 and "invalid choice" in r.stderr
+    r = dspark("serve-decode", "--model", "model/data/tiny", "--switch-interval-ms", "0")
+    assert r.returncode == 2 and "--switch-interval-ms must be > 0" in r.stderr
 
 
 def test_bench_subcommand_runs_a_benchmark():
