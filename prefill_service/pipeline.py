@@ -41,6 +41,21 @@ class Pipeline:
                                     timeout=timedelta(minutes=30))
         self.worker = StageWorker(cfg, rank, world, self.ranges[rank], device, dtype)
         self._sends: list = []
+        if world > 1:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One empty round's worth of traffic before the service reports ready: NCCL creates its communicators
+        lazily (one for the collectives, another for each neighbour pair's send/recv), which would otherwise land
+        on the first request."""
+        self._broadcast(Round())
+        if self.rank > 0:
+            self._recv(1)
+        if self.rank < self.world - 1:
+            self._send(torch.zeros(1, 1, *self.worker.hidden_shape, dtype=self.dtype, device=self.device))
+        for h in self._sends:
+            h.wait()
+        self._sends.clear()
 
     # ---- neighbour exchange ----------------------------------------------------------------------
     def _recv(self, k: int) -> torch.Tensor:
