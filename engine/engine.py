@@ -173,18 +173,25 @@ class Engine:
         u_acc = uniform(rows.seed, pos[:, 0], ACCEPT, b)  # one lane per draft position of this step
         n_acc, last = accept(p, draft.probs, draft.tokens, u_acc, self._pick_uniform(rows.seed, pos))
         accepted = (n_acc + 1).masked_fill(rows.is_padding, 0)
-        self.runner.commit([r.cache for r in reqs], batch, out, accepted[:n_real].tolist())
+        # commit from the device tensor: the host learns the counts only at the one transfer below, so it can keep
+        # queueing this step's work while the GPU is still verifying
+        self.runner.pool.commit(batch, out.pending, accepted)
         self.proposer.extend_context(self.runner.pool, batch, out.aux, accepted)
         logp = torch.log_softmax(logits, -1)
         emitted = torch.cat((draft.tokens, last[:, None]), 1)  # accepted drafts, then `last` at position n
         emitted.scatter_(1, n_acc[:, None], last[:, None])
         emitted_lp = logp.gather(-1, emitted[..., None]).squeeze(-1)
         tops = _top_logprobs(logp[:n_real], reqs)
-        outputs = []  # one transfer to the host for the whole batch
-        for i, (r, n, ids, lps) in enumerate(zip(reqs, n_acc.tolist(), emitted[:n_real].tolist(),
-                                                 emitted_lp[:n_real].tolist())):
+        # one transfer to the host for the whole batch: counts, token ids and logprobs packed as float64 (exact
+        # for ids below 2**53)
+        host = torch.cat((n_acc[:, None].double(), emitted.double(), emitted_lp.double()), 1)[:n_real].tolist()
+        outputs = []
+        for i, (r, row) in enumerate(zip(reqs, host)):
+            n = int(row[0])
+            ids, lps = [int(t) for t in row[1:n + 2]], row[b + 2:b + 3 + n]
+            r.cache.tokens += n + 1
             r.drafted, r.accepted = r.drafted + b, r.accepted + n
-            outputs.append(self._append(r, ids[:n + 1], lps[:n + 1], tops[i][:n + 1]))
+            outputs.append(self._append(r, ids, lps, tops[i][:n + 1]))
         return outputs
 
     @staticmethod
@@ -215,8 +222,8 @@ class Engine:
         logp_all = torch.log_softmax(logits, -1)
         logp = logp_all.gather(-1, ids[:, None]).squeeze(-1)
         tops = _top_logprobs(logp_all[:, None], reqs)
-        return [self._append(r, [int(t)], [float(lp)], top) for r, t, lp, top in
-                zip(reqs, ids.tolist(), logp.tolist(), tops)]
+        host = torch.stack((ids.double(), logp.double()), 1).tolist()  # one transfer: ids exact below 2**53
+        return [self._append(r, [int(t)], [lp], top) for r, (t, lp), top in zip(reqs, host, tops)]
 
     def _append(self, req: Request, ids: list[int], logps: list[float], tops: list | None = None) -> StepOutput:
         stop = self.stops[req.request_id]
