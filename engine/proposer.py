@@ -66,9 +66,9 @@ class DSparkProposer(Proposer):
 
     @torch.inference_mode()
     def extend_context(self, pool, batch, aux, accepted):
-        rows = self.drafter.context_kv(aux, batch.positions)
+        rows, memo = self.drafter.context_kv(aux, batch.positions), {}
         for layer, kv in zip(self.layers, rows):
-            pool.commit_rows(layer, batch, kv, accepted)
+            pool.commit_rows(layer, batch, kv, accepted, memo)
 
     @torch.inference_mode()
     def propose(self, pool, rows: DraftRows) -> Draft:

@@ -87,43 +87,62 @@ class CachePool:
         return pool[table].flatten(1, 2)
 
     # ---- commit ------------------------------------------------------------------------------------
-    def commit(self, batch: StepBatch, pending: dict[int, LayerPending], accepted: torch.Tensor) -> None:
-        """Keep the first accepted[b] of the K pending tokens of each request; the rest leave no trace."""
+    def commit(self, batch: StepBatch, pending: dict[int, LayerPending], accepted: torch.Tensor,
+               memo: dict | None = None) -> None:
+        """Keep the first accepted[b] of the K pending tokens of each request; the rest leave no trace.
+
+        The write positions depend only on the batch, the counts and the layer's kind, so they are computed once
+        per kind and reused across layers (`memo`, shared by the calls of one step); each layer then costs only its
+        scatters, which matters where every operation is a kernel launch."""
+        memo = {} if memo is None else memo
         for layer, p in pending.items():
-            self.commit_rows(layer, batch, p.kv, accepted)
+            self.commit_rows(layer, batch, p.kv, accepted, memo)
             r = self.cfg.ratio(layer)
             if r == 0:
                 continue
             self._commit_compressor(batch, p.comp, accepted, r, self.carry_kv[layer], self.carry_gate[layer],
-                                    self.entries[layer])
+                                    self.entries[layer], memo)
             if p.idx is not None:
                 self._commit_compressor(batch, p.idx, accepted, r, self.idx_carry_kv[layer],
-                                        self.idx_carry_gate[layer], self.idx_entries[layer])
+                                        self.idx_carry_gate[layer], self.idx_entries[layer], memo)
 
-    def commit_rows(self, layer: int, batch: StepBatch, kv: torch.Tensor, accepted: torch.Tensor) -> None:
+    def commit_rows(self, layer: int, batch: StepBatch, kv: torch.Tensor, accepted: torch.Tensor,
+                    memo: dict | None = None) -> None:
         """Write the first accepted[b] of kv [B, K, D] (positions start..) into the layer's window ring."""
-        w = self.cfg.sliding_window
-        k = kv.shape[1]
-        j = torch.arange(k, device=kv.device)[None]
-        n = accepted[:, None]
-        keep = (j < n) & (j >= n - w)
-        row = torch.where(keep, (batch.start[:, None] + j) % w, torch.full_like(j, w))
-        flat = batch.slots[:, None] * (w + 1) + row
-        self.swa[layer].view(-1, kv.shape[-1]).index_put_((flat.flatten(),), kv.flatten(0, 1))
+        key = ("rows", kv.shape[1])
+        flat = memo.get(key) if memo is not None else None
+        if flat is None:
+            w, k = self.cfg.sliding_window, kv.shape[1]
+            j = torch.arange(k, device=kv.device)[None]
+            n = accepted[:, None]
+            keep = (j < n) & (j >= n - w)
+            row = torch.where(keep, (batch.start[:, None] + j) % w, torch.full_like(j, w))
+            flat = (batch.slots[:, None] * (w + 1) + row).flatten()
+            if memo is not None:
+                memo[key] = flat
+        self.swa[layer].view(-1, kv.shape[-1]).index_put_((flat,), kv.flatten(0, 1))
 
     def _commit_compressor(self, batch: StepBatch, out: CompressorOut, accepted: torch.Tensor, r: int,
-                           carry_kv: torch.Tensor, carry_gate: torch.Tensor, pool: torch.Tensor) -> None:
-        c = carry_kv.shape[1]
-        idx = (accepted[:, None] + torch.arange(c, device=accepted.device))[..., None]  # [B, C, 1]
+                           carry_kv: torch.Tensor, carry_gate: torch.Tensor, pool: torch.Tensor,
+                           memo: dict | None = None) -> None:
+        c, e = carry_kv.shape[1], out.entries.shape[1]
+        key = ("compressor", r, c, e)
+        cached = memo.get(key) if memo is not None else None
+        if cached is None:
+            idx = (accepted[:, None] + torch.arange(c, device=accepted.device))[..., None]  # [B, C, 1]
+            bs = self.block_size
+            table = batch.tables[r]
+            w = (batch.start // r)[:, None] + torch.arange(e, device=accepted.device)  # [B, E]
+            done = (w + 1) * r <= (batch.start + accepted)[:, None]
+            block = torch.gather(table, 1, (w // bs).clamp(max=table.shape[1] - 1))
+            dest = torch.where(done, block * bs + w % bs, torch.full_like(w, SCRATCH * bs)).flatten()
+            cached = (idx, dest)
+            if memo is not None:
+                memo[key] = cached
+        idx, dest = cached
         carry_kv[batch.slots] = torch.gather(out.seq_kv, 1, idx.expand(-1, -1, out.seq_kv.shape[-1]))
         carry_gate[batch.slots] = torch.gather(out.seq_gate, 1, idx.expand(-1, -1, out.seq_gate.shape[-1]))
-        bs = self.block_size
-        table = batch.tables[r]
-        w = (batch.start // r)[:, None] + torch.arange(out.entries.shape[1], device=accepted.device)  # [B, E]
-        done = (w + 1) * r <= (batch.start + accepted)[:, None]
-        block = torch.gather(table, 1, (w // bs).clamp(max=table.shape[1] - 1))
-        dest = torch.where(done, block * bs + w % bs, torch.full_like(w, SCRATCH * bs))
-        pool.view(-1, pool.shape[-1]).index_put_((dest.flatten(),), out.entries.flatten(0, 1))
+        pool.view(-1, pool.shape[-1]).index_put_((dest,), out.entries.flatten(0, 1))
 
 
 def ratios_of(cfg: ModelConfig, layers: range) -> tuple[int, ...]:
