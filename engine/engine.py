@@ -175,7 +175,8 @@ class Engine:
         accepted = (n_acc + 1).masked_fill(rows.is_padding, 0)
         # commit from the device tensor: the host learns the counts only at the one transfer below, so it can keep
         # queueing this step's work while the GPU is still verifying
-        self.runner.pool.commit(batch, out.pending, accepted)
+        with torch.inference_mode():  # as ModelRunner.commit: the pending state comes from inference-mode forwards
+            self.runner.pool.commit(batch, out.pending, accepted)
         self.proposer.extend_context(self.runner.pool, batch, out.aux, accepted)
         logp = torch.log_softmax(logits, -1)
         emitted = torch.cat((draft.tokens, last[:, None]), 1)  # accepted drafts, then `last` at position n
