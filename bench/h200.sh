@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks recorded in the issue notes, on an H200 machine (one or two GPUs).
 # In a device run: source bench/gpu_prelude.sh && bash bench/h200.sh tests && bash bench/h200.sh tiny ...
-#   bash bench/h200.sh tests|tiny|small|more   (results under $OUT; more: no-spec baseline, decode on cuda:1)
+#   bash bench/h200.sh tests|tiny|small|more|step   (results under $OUT; more: no-spec baseline, decode on cuda:1;
+#   step: bench/decode_step.py on the small preset)
 set -u
 OUT=${OUT:-/tmp/dspark-out}
 mkdir -p "$OUT"
@@ -55,6 +56,14 @@ tiny)  # PD == aggregated on the GPU(s): fp32 without simulations, so equality i
     pair t3 model/data/tiny "--pp 1 $common" "--device cuda:1 $common" eq
   fi
   cat "$OUT/tiny_equality.txt"
+  ;;
+step)  # the decode step against the roofline: graphs vs host time (needs checkpoints/small, made by `small`)
+  [ -f checkpoints/small/config.json ] || $PY -m cli.main make-checkpoint --preset small --dtype bf16 checkpoints/small \
+    > "$OUT/make_small.txt" 2>&1
+  for spec in --spec --no-spec; do
+    $PY bench/decode_step.py --model checkpoints/small --device cuda:0 --batch 1,8,32 $spec >> "$OUT/step.txt" 2>&1
+  done
+  cat "$OUT/step.txt"
   ;;
 small|more)
   [ -f checkpoints/small/config.json ] || $PY -m cli.main make-checkpoint --preset small --dtype bf16 checkpoints/small \
