@@ -55,7 +55,7 @@ def run(cfg: GenerateConfig) -> int:
     req = engine.add_request(ids, params)
     while req.finish_reason is None:
         for out in engine.step():
-            sys.stdout.write(decoder.push(out.new_ids))
+            sys.stdout.write(decoder.push(out.new_ids, final=out.finished))
             sys.stdout.flush()
             n += len(out.new_ids)
             reason = out.finish_reason

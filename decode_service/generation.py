@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from engine.request import StepOutput
 from engine.sampling import SamplingParams
-from model.tokenizer import Tokenizer
+from model.tokenizer import IncrementalDecoder, Tokenizer
 from proto import prefill_pb2
 from transfer.arena import ArenaFull
 
@@ -129,21 +129,27 @@ async def _prefill(ctx, rid, prompt, params, res) -> prefill_pb2.PrefillReply:
 
 class TextStream:
     """Detokenises one choice incrementally, holding back text that could still turn into a stop string and cutting
-    the output where a stop string begins."""
+    the output where a stop string begins. Work per push is bounded by the new text plus the held-back tail."""
 
     def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]):
-        self.tokenizer, self.stops = tokenizer, stops
+        self.tokenizer, self.decoder, self.stops = tokenizer, IncrementalDecoder(tokenizer), stops
         self.hold = max((len(s) for s in stops), default=1) - 1
-        self.ids: list[int] = []
+        self.text = ""  # decoded so far (up to the decoder's last clean point)
         self.sent = 0
         self.stopped = False
 
+    @property
+    def ids(self) -> list[int]:
+        return self.decoder.ids
+
     def push(self, ids: list[int], final: bool) -> str:
-        self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids)
-        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        self.text += self.decoder.push(ids, final)
+        text, end = self.text, len(self.text)
+        # a stop string never begins before `sent`: the held-back tail is longer than any stop string minus one
+        cuts = [i for i in (text.find(s, self.sent) for s in self.stops) if i >= 0]
         if cuts:
-            text, final, self.stopped = text[:min(cuts)], True, True
-        end = len(text) if final else max(self.sent, len(text) - self.hold - (1 if text.endswith("\ufffd") else 0))
+            end, final, self.stopped = min(cuts), True, True
+        elif not final:
+            end = max(self.sent, end - self.hold)
         delta, self.sent = text[self.sent:end], max(self.sent, end)
         return delta

@@ -110,15 +110,26 @@ def _token_text(t) -> str | None:
 
 
 class IncrementalDecoder:
-    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 sequences."""
+    """Turns a growing list of token ids into text deltas, decoding only the tokens since the last clean point.
+
+    A clean point is where the decoded text did not end in U+FFFD, i.e. the bytes so far end with a whole character;
+    text splits exactly there, so each push costs the few tokens since then, not the whole output (decoding the
+    whole list on every token made streaming quadratic in the output length). Text ending in U+FFFD (a character
+    split across tokens, or invalid bytes) is held back until a later token completes it or `final`."""
 
     def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer, self.ids, self.text = tokenizer, [], ""
+        self.tokenizer, self.ids = tokenizer, []
+        self._start = 0  # the last clean point: the text of ids[:_start] has been returned
 
-    def push(self, ids: list[int]) -> str:
+    def push(self, ids: list[int], final: bool = False) -> str:
         self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
+        text = self.tokenizer.decode(self.ids[self._start:])
+        if text.endswith("\ufffd") and not final:
             return ""
-        delta, self.text = text[len(self.text):], text
-        return delta
+        self._start = len(self.ids)
+        return text
+
+    @property
+    def pending(self) -> str:
+        """The held-back text (tokens since the last clean point, ending in U+FFFD), "" when there is none."""
+        return self.tokenizer.decode(self.ids[self._start:]) if self._start < len(self.ids) else ""
