@@ -168,7 +168,8 @@ class Engine:
         out, logits = self._verify(batch, self.proposer.capture)  # logits [bp, b+1, V]
         v = logits.shape[-1]
         p = probs_from_logits(logits.flatten(0, 1), rows.temperature.repeat_interleave(b + 1),
-                              rows.top_p.repeat_interleave(b + 1)).view(bp, b + 1, v)
+                              rows.top_p.repeat_interleave(b + 1),
+                              all_greedy=all(r.params.greedy for r in reqs)).view(bp, b + 1, v)
         pos = rows.start[:, None] + 1 + torch.arange(b + 1, device=logits.device)  # positions of emitted tokens
         u_acc = uniform(rows.seed, pos[:, 0], ACCEPT, b)  # one lane per draft position of this step
         n_acc, last = accept(p, draft.probs, draft.tokens, u_acc, self._pick_uniform(rows.seed, pos))
@@ -218,7 +219,7 @@ class Engine:
         top_p = torch.tensor([r.params.top_p for r in reqs], device=dev)
         seed = torch.tensor([r.params.seed for r in reqs], device=dev)
         counter = torch.tensor([len(r.all_ids) for r in reqs], device=dev)
-        probs = probs_from_logits(logits, temp, top_p)
+        probs = probs_from_logits(logits, temp, top_p, all_greedy=all(r.params.greedy for r in reqs))
         ids = sample_from_probs(probs, seed, counter, TARGET)
         logp_all = torch.log_softmax(logits, -1)
         logp = logp_all.gather(-1, ids[:, None]).squeeze(-1)

@@ -67,8 +67,14 @@ def uniform(seed: torch.Tensor, counter: torch.Tensor, stream: int, n: int) -> t
     return (bits + 0.5) / float(1 << 24)
 
 
-def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] fp32, temperature/top_p [B] -> probabilities [B, V] (rows with temperature 0: one-hot)."""
+def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                      all_greedy: bool = False) -> torch.Tensor:
+    """logits [B, V] fp32, temperature/top_p [B] -> probabilities [B, V] (rows with temperature 0: one-hot).
+
+    all_greedy: the caller knows every row has temperature 0 (the host holds the parameters), so the softmax and
+    the top-p sort over the vocabulary are skipped; the result is the same one-hot rows."""
+    if all_greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
     probs = torch.softmax(logits / t[:, None], dim=-1)

@@ -72,6 +72,10 @@ def test_top_p_and_greedy_probs():
     p = probs_from_logits(logits, torch.tensor([1.0, 0.0]), torch.tensor([0.7, 1.0]))
     torch.testing.assert_close(p[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
     torch.testing.assert_close(p[1], torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    # the host-known all-greedy shortcut gives the general path's one-hot rows exactly
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    zeros, ones = torch.zeros(6), torch.ones(6)
+    assert torch.equal(probs_from_logits(logits, zeros, ones, all_greedy=True), probs_from_logits(logits, zeros, ones))
 
 
 def test_stop_string_and_eos(tiny):
