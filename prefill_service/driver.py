@@ -122,14 +122,21 @@ class Driver:
                 break
             if not taken:
                 continue
+            finished: set[int] = set()
+
+            def on_job(i: int, reports: list[StageReport]) -> None:  # a job done before its round (one stage)
+                finished.add(i)
+                self._finish(taken[i], reports)
             try:
-                per_job = self.pipeline.lead(Round(tuple(p.job for p in taken)))
-                for p, reports in zip(taken, per_job):
-                    self._finish(p, reports)
+                per_job = self.pipeline.lead(Round(tuple(p.job for p in taken)), on_job)
+                for i, (p, reports) in enumerate(zip(taken, per_job)):
+                    if i not in finished:
+                        self._finish(p, reports)
             except Exception as e:  # noqa: BLE001 - a failed round fails its requests, the service goes on
                 log.exception("round of %d request(s) failed", len(taken))
-                for p in taken:
-                    self._resolve(p.future, PrefillFailed("INTERNAL", f"prefill failed: {e}"))
+                for i, p in enumerate(taken):
+                    if i not in finished:
+                        self._resolve(p.future, PrefillFailed("INTERNAL", f"prefill failed: {e}"))
             with self._cv:
                 self._inflight = {}
                 acks, self._round_done = self._round_done, []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -81,12 +82,21 @@ class Pipeline:
         self._sends.clear()
         return reports
 
-    def lead(self, rnd: Round) -> list[list[StageReport]]:
-        """Leader: run a round on every stage; returns the reports per job, one per stage."""
+    def lead(self, rnd: Round, on_job: Callable[[int, list[StageReport]], None] | None = None
+             ) -> list[list[StageReport]]:
+        """Leader: run a round on every stage; returns the reports per job, one per stage.
+
+        With one stage, on_job(i, reports) is called as each job finishes, so its reply need not wait for the rest
+        of the round; with several, the last stage's reports reach the leader only at the round's end."""
         self._broadcast(rnd)
-        mine = self._run(rnd)
         if self.world == 1:
-            return [[r] for r in mine]
+            out = []
+            for i, job in enumerate(rnd.jobs):
+                out.append([self.worker.run(job, self._recv, self._send)])
+                if on_job is not None:
+                    on_job(i, out[-1])
+            return out
+        mine = self._run(rnd)
         gathered = [None] * self.world
         dist.gather_object(mine, gathered, dst=0)
         return [list(per_job) for per_job in zip(*gathered)]
