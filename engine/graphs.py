@@ -32,6 +32,9 @@ class StepGraphs:
         # separate pools: a step replays propose then verify and reads the proposal after verify ran, so the two
         # kinds must not share memory (within a kind only one bucket's graph is live per step)
         self._pools = {"verify": torch.cuda.graph_pool_handle(), "propose": torch.cuda.graph_pool_handle()}
+        # our own capture stream on the model's GPU: torch.cuda.graph's default is one stream per process, made on
+        # whichever GPU was current at the first capture, so a second engine on another GPU would capture there
+        self._stream = torch.cuda.Stream(runner.device)
 
     def capture(self) -> None:
         t = time.perf_counter()
@@ -53,7 +56,7 @@ class StepGraphs:
                 fn()
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(g, pool=self._pools[kind]):
+        with torch.inference_mode(), torch.cuda.graph(g, pool=self._pools[kind], stream=self._stream):
             out = fn()
         return g, out
 

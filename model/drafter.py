@@ -130,8 +130,8 @@ class ConfidenceHead(nn.Module):
         self.proj = nn.Linear(dim, 1, bias=False, dtype=torch.float32)
 
     def forward(self, hidden: torch.Tensor, markov_embed: torch.Tensor) -> torch.Tensor:
-        x = torch.cat((hidden, markov_embed.to(hidden.dtype)), -1).to(self.proj.weight.dtype)
-        return torch.sigmoid(self.proj(x).float()).squeeze(-1)
+        x = torch.cat((hidden.float(), markov_embed.float()), -1)  # in fp32 whatever the weights' dtype
+        return torch.sigmoid(F.linear(x, self.proj.weight.float())).squeeze(-1)
 
 
 class Drafter(_Stages):

@@ -110,26 +110,32 @@ def _token_text(t) -> str | None:
 
 
 class IncrementalDecoder:
-    """Turns a growing list of token ids into text deltas, decoding only the tokens since the last clean point.
+    """Turns a growing list of token ids into text deltas, decoding only a short window of recent tokens.
 
-    A clean point is where the decoded text did not end in U+FFFD, i.e. the bytes so far end with a whole character;
-    text splits exactly there, so each push costs the few tokens since then, not the whole output (decoding the
-    whole list on every token made streaming quadratic in the output length). Text ending in U+FFFD (a character
-    split across tokens, or invalid bytes) is held back until a later token completes it or `final`."""
+    The window starts at the previous read point; a delta is the window's text beyond the text of its already
+    returned part. That is exact for any decoder whose output for a token depends only on the tokens before it
+    within the window, including those that treat a sequence's first token specially (SentencePiece's leading
+    space): the first token of the window has already been returned. Decoding the whole list on every token made
+    streaming quadratic in the output length. Text ending in U+FFFD (a character split across tokens, or invalid
+    bytes) is held back until a later token completes it or `final`."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer, self.ids = tokenizer, []
-        self._start = 0  # the last clean point: the text of ids[:_start] has been returned
+        self._prefix = self._read = 0  # window start; end of the part already returned
 
     def push(self, ids: list[int], final: bool = False) -> str:
         self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids[self._start:])
+        done = self.tokenizer.decode(self.ids[self._prefix:self._read])
+        text = self.tokenizer.decode(self.ids[self._prefix:])
         if text.endswith("\ufffd") and not final:
             return ""
-        self._start = len(self.ids)
-        return text
+        self._prefix, self._read = self._read, len(self.ids)
+        return text[len(done):]
 
     @property
     def pending(self) -> str:
-        """The held-back text (tokens since the last clean point, ending in U+FFFD), "" when there is none."""
-        return self.tokenizer.decode(self.ids[self._start:]) if self._start < len(self.ids) else ""
+        """The held-back text (ending in U+FFFD), "" when there is none."""
+        if self._read == len(self.ids):
+            return ""
+        done = self.tokenizer.decode(self.ids[self._prefix:self._read])
+        return self.tokenizer.decode(self.ids[self._prefix:])[len(done):]

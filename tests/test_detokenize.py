@@ -66,3 +66,29 @@ def test_text_stream_and_stop_checker_match_a_whole_text_search(stops):
                 break
         first = next((t for t in range(len(ids)) if any(s in TOK.decode(ids[:t + 1]) for s in stops)), None)
         assert stopped_at == first
+
+
+def test_incremental_decoder_is_exact_for_a_decoder_that_strips_the_first_space():
+    """SentencePiece-style (Metaspace) decoders drop the leading space of a sequence's first token: decoding a
+    window that starts at an unreturned token would lose a space."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    words = ["\u2581Hello", "\u2581world", "!", "\u2581and", "\u2581more", "s"]
+    hf = HFTokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="!"))
+    hf.decoder = decoders.Metaspace()
+
+    class Words:
+        def decode(self, ids):
+            return hf.decode(ids)
+
+    rng = random.Random(1)
+    for _ in range(50):
+        ids = [rng.randrange(len(words)) for _ in range(rng.randint(1, 12))]
+        dec = IncrementalDecoder(Words())
+        pieces, i = [], 0
+        while i < len(ids):
+            k = rng.randint(1, 3)
+            pieces.append(dec.push(ids[i:i + k], final=i + k >= len(ids)))
+            i += k
+        assert "".join(pieces) == hf.decode(ids)
