@@ -29,6 +29,7 @@ import torch
 
 from engine.devices import resolve_device
 from engine.engine import Engine
+from engine.graphs import pick_level
 from engine.proposer import DSparkProposer
 from engine.runner import CacheSizing
 from engine.sampling import SamplingParams
@@ -80,10 +81,10 @@ def time_steps(eng: Engine, steps: int, device: torch.device) -> float:
     return (time.perf_counter() - t) / steps
 
 
-def time_replays(graphs: dict, b: int, steps: int, device: torch.device) -> float:
-    if b not in graphs:
+def time_replays(graphs: dict, key, steps: int, device: torch.device) -> float:
+    if key not in graphs:
         return float("nan")
-    g = graphs[b][0]
+    g = graphs[key][0]
     g.replay()
     sync(device)
     t = time.perf_counter()
@@ -129,7 +130,9 @@ def main() -> None:
         eng.step()
         step = time_steps(eng, args.steps, device)
         graphs = eng.graphs
-        verify = time_replays(graphs._verify, b, args.steps, device) if graphs else float("nan")
+        level = graphs and pick_level(graphs.widths, {r: max(len(q.cache.tables[r]) for q in reqs)
+                                                      for r in eng.runner.ratios})
+        verify = time_replays(graphs._verify, (b, level), args.steps, device) if graphs else float("nan")
         propose = (time_replays(graphs._propose, b, args.steps, device) if graphs and proposer
                    else (0.0 if graphs else float("nan")))
         host = step - verify - propose if graphs else float("nan")

@@ -1,7 +1,12 @@
 """CUDA graphs of the decode step: the target's verification forward (K tokens per request, logits included) and
-the drafter's proposal, captured once per batch bucket over static input buffers at startup. A step copies its
-padded batch into the bucket's buffers and replays; outputs are the graph's static tensors (valid until the next
-replay of that bucket). Block tables are padded to a fixed width (the longest request the service admits).
+the drafter's proposal, captured at startup over static input buffers. A step copies its padded batch into the
+buffers and replays; outputs are the graph's static tensors (valid until the next replay of that graph).
+
+The verification forward reads each request's compressed entries through its block tables, and a graph reads its
+tables' whole width, so verification graphs are captured per batch bucket *and* per context level (tables wide
+enough for 512, 1024, 2048, ... tokens up to the longest request admitted): a step pays for the longest request in
+its batch rounded up to a power of two, not for the service's maximum context. The proposal reads only the
+drafter's window, so it has one graph per batch bucket.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ class StepGraphs:
     def __init__(self, runner: ModelRunner, proposer: Proposer | None, k: int, buckets: tuple[int, ...],
                  max_tokens_per_request: int):
         self.runner, self.proposer, self.k, self.buckets = runner, proposer, k, tuple(sorted(buckets))
-        bs = runner.sizing.block_size
-        self.widths = {r: max(1, -(-(max_tokens_per_request // r) // bs)) for r in runner.ratios}
+        self.levels = context_levels(max_tokens_per_request)
+        self.widths = {t: table_widths(t, runner.ratios, runner.sizing.block_size) for t in self.levels}
         self.capture_layers = proposer.capture if proposer else ()
-        self._verify: dict[int, tuple[torch.cuda.CUDAGraph, StepBatch, ExtendOut, torch.Tensor]] = {}
+        self._verify: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, StepBatch, ExtendOut, torch.Tensor]] = {}
         self._propose: dict[int, tuple[torch.cuda.CUDAGraph, DraftRows, Draft]] = {}
+        self._logits: dict[int, torch.Tensor] = {}  # per batch bucket
         # separate pools: a step replays propose then verify and reads the proposal after verify ran, so the two
         # kinds must not share memory (within a kind only one bucket's graph is live per step)
         self._pools = {"verify": torch.cuda.graph_pool_handle(), "propose": torch.cuda.graph_pool_handle()}
@@ -42,11 +48,12 @@ class StepGraphs:
         # device, which is cuda:0 unless set (a model on cuda:1 otherwise fails with "operation not permitted")
         with torch.cuda.device(self.runner.device):
             for b in sorted(self.buckets, reverse=True):  # largest first: smaller graphs reuse its memory
-                self._verify[b] = self._capture_verify(b)
+                for level in reversed(self.levels):
+                    self._verify[b, level] = self._capture_verify(b, level)
                 if self.proposer is not None:
                     self._propose[b] = self._capture_propose(b)
-        log.info("captured decode graphs for buckets %s (K=%d) in %.1fs", self.buckets, self.k,
-                 time.perf_counter() - t)
+        log.info("captured decode graphs for buckets %s x context levels %s (K=%d) in %.1fs", self.buckets,
+                 self.levels, self.k, time.perf_counter() - t)
 
     def _graph(self, fn, kind: str):
         s = torch.cuda.Stream()
@@ -60,19 +67,24 @@ class StepGraphs:
             out = fn()
         return g, out
 
-    def _static_batch(self, b: int) -> StepBatch:
+    def _static_batch(self, b: int, level: int) -> StepBatch:
         dev = self.runner.device
         z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
         return StepBatch(input_ids=z(b, self.k), start=z(b), is_padding=torch.ones(b, dtype=torch.bool, device=dev),
-                         slots=z(b), tables={r: z(b, w) for r, w in self.widths.items()})
+                         slots=z(b), tables={r: z(b, w) for r, w in self.widths[level].items()})
 
-    def _capture_verify(self, b: int):
-        batch = self._static_batch(b)
+    def _capture_verify(self, b: int, level: int):
+        batch = self._static_batch(b, level)
         model, pool = self.runner.model, self.runner.pool
 
         def fn():
             out = model.extend(batch, pool, capture=self.capture_layers)
-            return out, model.logits(out.streams)
+            logits = model.logits(out.streams)
+            if b not in self._logits:  # first (warm-up) call, outside capture
+                self._logits[b] = torch.empty_like(logits)
+            # one logits buffer per bucket, shared by its context levels (the largest output; the graph's own copy
+            # is freed after capture, so the pool reuses it)
+            return out, self._logits[b].copy_(logits)
         g, (out, logits) = self._graph(fn, "verify")
         return g, batch, out, logits
 
@@ -88,10 +100,11 @@ class StepGraphs:
         return g, rows, draft
 
     def has(self, b: int) -> bool:
-        return b in self._verify
+        return (b, self.levels[0]) in self._verify
 
     def verify(self, batch: StepBatch) -> tuple[ExtendOut, torch.Tensor]:
-        g, static, out, logits = self._verify[batch.input_ids.shape[0]]
+        level = pick_level(self.widths, {r: t.shape[1] for r, t in batch.tables.items()})
+        g, static, out, logits = self._verify[batch.input_ids.shape[0], level]
         static.input_ids.copy_(batch.input_ids)
         static.start.copy_(batch.start)
         static.is_padding.copy_(batch.is_padding)
@@ -111,3 +124,25 @@ class StepGraphs:
         with torch.cuda.device(self.runner.device):
             g.replay()
         return draft
+
+
+def context_levels(max_tokens: int, smallest: int = 512) -> tuple[int, ...]:
+    """Token capacities of the verification graphs: powers of two from `smallest`, the last one max_tokens."""
+    levels, t = [], smallest
+    while t < max_tokens:
+        levels.append(t)
+        t *= 2
+    return tuple(levels) + (max_tokens,)
+
+
+def table_widths(tokens: int, ratios: tuple[int, ...], block_size: int) -> dict[int, int]:
+    """Block-table width per compression ratio for requests of up to `tokens` tokens."""
+    return {r: max(1, -(-(tokens // r) // block_size)) for r in ratios}
+
+
+def pick_level(widths: dict[int, dict[int, int]], needed: dict[int, int]) -> int:
+    """The smallest context level whose tables are at least as wide as the batch's, for every ratio."""
+    for level in sorted(widths):
+        if all(widths[level].get(r, 0) >= w for r, w in needed.items()):
+            return level
+    raise ValueError(f"a decode batch's block tables {needed} exceed the widest graph {widths[max(widths)]}")
