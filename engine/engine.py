@@ -149,7 +149,9 @@ class Engine:
     def _verify(self, batch, capture) -> tuple:
         """The target forward of a decode step (graphed when a graph exists for the bucket): (out, logits)."""
         if self.graphs is not None and self.graphs.has(batch.input_ids.shape[0]):
-            return self.graphs.verify(batch)
+            graphed = self.graphs.verify(batch)
+            if graphed is not None:
+                return graphed
         out = self.runner.extend(batch, capture=capture)
         with torch.inference_mode():
             return out, self.runner.model.logits(out.streams)

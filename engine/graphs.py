@@ -27,8 +27,11 @@ log = logging.getLogger(__name__)
 
 class StepGraphs:
     def __init__(self, runner: ModelRunner, proposer: Proposer | None, k: int, buckets: tuple[int, ...],
-                 max_tokens_per_request: int):
+                 max_tokens_per_request: int, max_graph_tokens: int = 1 << 20):
+        """max_graph_tokens bounds batch rows x context level of a verification graph: its gathered entries are
+        held in the graph's memory, so wider steps (rare: many long requests at once) run eagerly instead."""
         self.runner, self.proposer, self.k, self.buckets = runner, proposer, k, tuple(sorted(buckets))
+        self.max_graph_tokens = max_graph_tokens
         self.levels = context_levels(max_tokens_per_request)
         self.widths = {t: table_widths(t, runner.ratios, runner.sizing.block_size) for t in self.levels}
         self.capture_layers = proposer.capture if proposer else ()
@@ -49,7 +52,8 @@ class StepGraphs:
         with torch.cuda.device(self.runner.device):
             for b in sorted(self.buckets, reverse=True):  # largest first: smaller graphs reuse its memory
                 for level in reversed(self.levels):
-                    self._verify[b, level] = self._capture_verify(b, level)
+                    if level == self.levels[0] or b * level <= self.max_graph_tokens:
+                        self._verify[b, level] = self._capture_verify(b, level)
                 if self.proposer is not None:
                     self._propose[b] = self._capture_propose(b)
         log.info("captured decode graphs for buckets %s x context levels %s (K=%d) in %.1fs", self.buckets,
@@ -100,11 +104,16 @@ class StepGraphs:
         return g, rows, draft
 
     def has(self, b: int) -> bool:
+        """Graphs exist for batch bucket b (the proposal's; verification's at least for short contexts)."""
         return (b, self.levels[0]) in self._verify
 
-    def verify(self, batch: StepBatch) -> tuple[ExtendOut, torch.Tensor]:
+    def verify(self, batch: StepBatch) -> tuple[ExtendOut, torch.Tensor] | None:
+        """Replay the graph for this batch's bucket and context level; None if that one was not captured."""
         level = pick_level(self.widths, {r: t.shape[1] for r, t in batch.tables.items()})
-        g, static, out, logits = self._verify[batch.input_ids.shape[0], level]
+        key = (batch.input_ids.shape[0], level)
+        if key not in self._verify:
+            return None
+        g, static, out, logits = self._verify[key]
         static.input_ids.copy_(batch.input_ids)
         static.start.copy_(batch.start)
         static.is_padding.copy_(batch.is_padding)

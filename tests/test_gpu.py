@@ -73,6 +73,20 @@ def test_graph_verify_logits_equal_eager(qat_sim):
     torch.testing.assert_close(logits_g[:3], logits_e[:3], atol=5e-2 if qat_sim else 1e-4, rtol=0)
 
 
+def test_graphs_per_context_level_equal_eager():
+    """Requests of 20..940 tokens in one batch and alone: each step replays the verification graph of its
+    longest request's context level (512 or 1024 here), and outputs equal the eager engine's."""
+    target, drafter = _models("cuda")
+    prompts = [random_ids(n, seed=n)[0].tolist() for n in (20, 300, 900)]
+    sizing = CacheSizing(max_requests=4, max_tokens=8192, block_size=16)
+    plain = _run(Engine(target, sizing=sizing), prompts, n=40)
+    graphed_engine = Engine(target, sizing=sizing, proposer=DSparkProposer(drafter, target), cuda_graphs=True,
+                            max_model_len=1024)
+    assert graphed_engine.graphs.levels[:2] == (512, 1024)
+    assert _run(graphed_engine, prompts, n=40) == plain
+    assert [_run(graphed_engine, [p], n=40)[0] for p in prompts] == plain
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_graphed_engine_on_a_second_gpu():
     """The model on cuda:1 while the calling thread's current device is cuda:0 (the decode service's case with
