@@ -20,7 +20,11 @@ class DecodeConfig:
                                                  "choices": ["auto", "float32", "bfloat16"]})
     max_running: int = field(default=32, metadata={"help": "requests decoding at once"})
     max_queued: int = field(default=64, metadata={"help": "requests waiting for admission; beyond: 429"})
-    cache_tokens: int = field(default=65536, metadata={"help": "tokens of cache for all running requests"})
+    cache_tokens: int = field(default=0, metadata={
+        "help": "tokens of cache for all running requests (0: what --cache-memory-fraction of the GPU memory left "
+                "after loading the model holds, at most --max-running full contexts; 65536 on the CPU)"})
+    cache_memory_fraction: float = field(default=0.5, metadata={
+        "help": "share of the free GPU memory the cache may take when --cache-tokens is 0"})
     max_model_len: int = field(default=0, metadata={"help": "prompt + completion tokens per request (0: the "
                                                             "model's limit, capped by --cache-tokens)"})
     arena_mib: int = field(default=256, metadata={"help": "Mooncake receive arena (MiB)"})
@@ -47,9 +51,11 @@ class DecodeConfig:
         if self.max_running < 1 or self.max_queued < 0:
             raise ValueError(f"--max-running ({self.max_running}) must be >= 1 and --max-queued "
                              f"({self.max_queued}) >= 0")
-        if self.max_model_len < 0 or self.cache_tokens < self.max_model_len:
+        if self.max_model_len < 0 or self.cache_tokens < 0 or 0 < self.cache_tokens < self.max_model_len:
             raise ValueError(f"--cache-tokens ({self.cache_tokens}) must hold at least one request of "
                              f"--max-model-len ({self.max_model_len}) tokens")
+        if not 0 < self.cache_memory_fraction <= 1:
+            raise ValueError(f"--cache-memory-fraction must be in (0, 1], got {self.cache_memory_fraction}")
         if self.switch_interval_ms <= 0:
             raise ValueError(f"--switch-interval-ms must be > 0, got {self.switch_interval_ms}")
         if self.prefill_timeout_s <= 0:

@@ -12,7 +12,8 @@ import model
 from engine.devices import resolve_device
 from engine.engine import Engine
 from engine.proposer import DSparkProposer
-from engine.runner import CacheSizing
+from engine.runner import CacheSizing, cache_tokens_within
+from model.cache import ratios_of
 from model.checkpoint import load_drafter
 from model.tokenizer import Tokenizer
 from transfer.layout import layout_hash
@@ -32,6 +33,28 @@ def model_name(cfg: DecodeConfig) -> str:
     return cfg.served_model_name or Path(cfg.model).resolve().name
 
 
+CPU_CACHE_TOKENS = 65536
+
+
+def default_cache_tokens(cfg: DecodeConfig, target, proposer, device: torch.device, dtype: torch.dtype) -> int:
+    """--cache-tokens 0: on a GPU, as many tokens as --cache-memory-fraction of the memory free after loading the
+    model holds (at most --max-running full contexts); a fixed amount on the CPU."""
+    if device.type != "cuda":
+        return CPU_CACHE_TOKENS
+    free, _ = torch.cuda.mem_get_info(device)
+    budget = int(free * cfg.cache_memory_fraction)
+    layers = list(target.layer_range) + list(proposer.layers if proposer else ())
+    context = cfg.max_model_len or target.cfg.max_position_embeddings
+    tokens = cache_tokens_within(target.cfg, layers, ratios_of(target.cfg, target.layer_range), dtype,
+                                 cfg.max_running, budget, cfg.max_running * context)
+    if tokens < 1024:
+        raise ValueError(f"{budget / 2**30:.2f} GiB for the cache (--cache-memory-fraction "
+                         f"{cfg.cache_memory_fraction} of {free / 2**30:.2f} GiB free) holds under 1024 tokens")
+    log.info("cache: %d tokens in at most %.2f GiB (%.0f%% of %.2f GiB free)", tokens, budget / 2**30,
+             100 * cfg.cache_memory_fraction, free / 2**30)
+    return tokens
+
+
 def build_context(cfg: DecodeConfig, loop: asyncio.AbstractEventLoop) -> ServiceContext:
     """Everything but the prefill peers (whose gRPC channels belong to the event loop)."""
     if cfg.threads:
@@ -46,10 +69,14 @@ def build_context(cfg: DecodeConfig, loop: asyncio.AbstractEventLoop) -> Service
     if cfg.spec and mcfg.has_dspark:
         proposer = DSparkProposer(load_drafter(cfg.model, device=device, dtype=dtype, qat_sim=cfg.qat_sim), target)
     lookahead = proposer.block_size + 1 if proposer else 1
+    cache_tokens = cfg.cache_tokens or default_cache_tokens(cfg, target, proposer, device, dtype)
+    if cfg.max_model_len + lookahead > cache_tokens:
+        raise ValueError(f"the cache ({cache_tokens} tokens) cannot hold one request of --max-model-len "
+                         f"{cfg.max_model_len} (+{lookahead} lookahead)")
     # a request holds prompt + completion + one step's lookahead of cache
-    max_model_len = cfg.max_model_len or min(mcfg.max_position_embeddings, cfg.cache_tokens - lookahead)
+    max_model_len = cfg.max_model_len or min(mcfg.max_position_embeddings, cache_tokens - lookahead)
     tokenizer = Tokenizer(cfg.model)
-    sizing = CacheSizing(max_requests=cfg.max_running, max_tokens=cfg.cache_tokens)
+    sizing = CacheSizing(max_requests=cfg.max_running, max_tokens=cache_tokens)
     engine = Engine(target, tokenizer, sizing, proposer=proposer, cuda_graphs=cfg.cuda_graphs,
                     max_model_len=max_model_len)
     mooncake = MooncakeEngine(cfg.host, cfg.protocol, cfg.device_names)
@@ -60,7 +87,6 @@ def build_context(cfg: DecodeConfig, loop: asyncio.AbstractEventLoop) -> Service
     log.info("decode runtime: %s on %s as %s, speculation %s, layout %s, mooncake %s", cfg.model, device, dtype,
              f"DSpark block {proposer.block_size}" if proposer else "off", h, mooncake.session)
     return ServiceContext(cfg=cfg, model_name=model_name(cfg), tokenizer=tokenizer, worker=worker, receiver=receiver,
-                          peers=None, admission=Admission(cfg.max_running, cfg.max_queued,
-                                                                                cfg.cache_tokens),
+                          peers=None, admission=Admission(cfg.max_running, cfg.max_queued, cache_tokens),
                           metrics=metrics, layout_hash=h, vocab_size=mcfg.vocab_size, lookahead=lookahead,
                           eos_id=mcfg.eos_token_id, max_model_len=max_model_len)

@@ -28,6 +28,21 @@ class CacheSizing:
         return {r: self.max_tokens // r // self.block_size + self.max_requests + 1 for r in ratios}
 
 
+def cache_tokens_within(cfg, layers: list[int], ratios: tuple[int, ...], dtype: torch.dtype, max_requests: int,
+                        budget_bytes: int, cap: int, block_size: int = CacheSizing().block_size) -> int:
+    """The most tokens (a multiple of 1024, at most `cap`) whose cache pool fits in budget_bytes: the pool is laid
+    out on the meta device, so the size is exactly what allocation will take, without allocating."""
+    def size(tokens: int) -> int:
+        sizing = CacheSizing(max_requests, tokens, block_size)
+        return CachePool(cfg, layers, max_requests + 1, sizing.blocks(ratios), block_size, "meta", dtype).nbytes()
+
+    lo, hi = 0, max(1, cap // 1024)
+    while lo < hi:  # largest k with size(1024 k) <= budget
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if size(mid * 1024) <= budget_bytes else (lo, mid - 1)
+    return min(lo * 1024, cap)
+
+
 class ModelRunner:
     def __init__(self, model: Transformer, sizing: CacheSizing = CacheSizing(), extra_layers: tuple[int, ...] = ()):
         """extra_layers: sliding-window rings kept per request besides the target's (a drafter's context)."""

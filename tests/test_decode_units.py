@@ -68,3 +68,34 @@ def test_unpack_skips_layers_the_pool_does_not_keep():
     rc2.tokens = 40
     nxt = random_ids(1, seed=4)[0].tolist()
     torch.testing.assert_close(plain.step([(rc2, nxt)]), full.step([(rc, nxt)]), atol=1e-5, rtol=0)
+
+
+def test_cache_sized_from_a_memory_budget_fits_it_exactly():
+    """--cache-tokens 0 on a GPU: the most tokens (in steps of 1024) whose pool fits the budget, measured on a pool
+    laid out like the real one (meta device) - and a real pool of that size takes exactly those bytes."""
+    from engine.runner import cache_tokens_within
+    from model.cache import CachePool, ratios_of
+
+    target = tiny_model()
+    cfg, layers, ratios = target.cfg, list(range(target.cfg.num_hidden_layers)), None
+    ratios = ratios_of(cfg, range(cfg.num_hidden_layers))
+
+    def real_bytes(tokens):
+        sizing = CacheSizing(max_requests=4, max_tokens=tokens)
+        return CachePool(cfg, layers, 5, sizing.blocks(ratios), sizing.block_size, "cpu", torch.float32).nbytes()
+
+    budget = 3 << 20
+    tokens = cache_tokens_within(cfg, layers, ratios, torch.float32, 4, budget, cap=1 << 30)
+    assert tokens > 0 and tokens % 1024 == 0
+    assert real_bytes(tokens) <= budget < real_bytes(tokens + 1024)
+    assert cache_tokens_within(cfg, layers, ratios, torch.float32, 4, budget, cap=2048) == 2048  # the cap wins
+
+
+def test_cache_settings_are_checked():
+    from decode_service.config import DecodeConfig
+
+    with pytest.raises(ValueError, match="cache-memory-fraction"):
+        DecodeConfig(model="m", cache_memory_fraction=0)
+    with pytest.raises(ValueError, match="cache-tokens"):
+        DecodeConfig(model="m", cache_tokens=1000, max_model_len=4096)
+    assert DecodeConfig(model="m", max_model_len=4096).cache_tokens == 0  # sized at startup
