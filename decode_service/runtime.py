@@ -39,17 +39,21 @@ CPU_CACHE_TOKENS = 65536
 def default_cache_tokens(cfg: DecodeConfig, target, proposer, device: torch.device, dtype: torch.dtype) -> int:
     """--cache-tokens 0: on a GPU, as many tokens as --cache-memory-fraction of the memory free after loading the
     model holds (at most --max-running full contexts); a fixed amount on the CPU."""
+    lookahead = proposer.block_size + 1 if proposer else 1
+    context = (cfg.max_model_len or target.cfg.max_position_embeddings) + lookahead
     if device.type != "cuda":
-        return CPU_CACHE_TOKENS
+        return max(CPU_CACHE_TOKENS, context if cfg.max_model_len else 0)
     free, _ = torch.cuda.mem_get_info(device)
     budget = int(free * cfg.cache_memory_fraction)
     layers = list(target.layer_range) + list(proposer.layers if proposer else ())
-    context = cfg.max_model_len or target.cfg.max_position_embeddings
+    cap = -(-cfg.max_running * context // 1024) * 1024  # every running request at its longest
     tokens = cache_tokens_within(target.cfg, layers, ratios_of(target.cfg, target.layer_range), dtype,
-                                 cfg.max_running, budget, cfg.max_running * context)
-    if tokens < 1024:
+                                 cfg.max_running, budget, cap)
+    need = context if cfg.max_model_len else 1024  # else the context shrinks to fit the cache
+    if tokens < need:
         raise ValueError(f"{budget / 2**30:.2f} GiB for the cache (--cache-memory-fraction "
-                         f"{cfg.cache_memory_fraction} of {free / 2**30:.2f} GiB free) holds under 1024 tokens")
+                         f"{cfg.cache_memory_fraction} of {free / 2**30:.2f} GiB free) holds {tokens} tokens, "
+                         f"fewer than the {need} one request needs")
     log.info("cache: %d tokens in at most %.2f GiB (%.0f%% of %.2f GiB free)", tokens, budget / 2**30,
              100 * cfg.cache_memory_fraction, free / 2**30)
     return tokens

@@ -110,7 +110,7 @@ class StepGraphs:
     def verify(self, batch: StepBatch) -> tuple[ExtendOut, torch.Tensor] | None:
         """Replay the graph for this batch's bucket and context level; None if that one was not captured."""
         level = pick_level(self.widths, {r: t.shape[1] for r, t in batch.tables.items()})
-        key = (batch.input_ids.shape[0], level)
+        key = (batch.input_ids.shape[0], level)  # (b, None) never exists
         if key not in self._verify:
             return None
         g, static, out, logits = self._verify[key]
@@ -149,9 +149,10 @@ def table_widths(tokens: int, ratios: tuple[int, ...], block_size: int) -> dict[
     return {r: max(1, -(-(tokens // r) // block_size)) for r in ratios}
 
 
-def pick_level(widths: dict[int, dict[int, int]], needed: dict[int, int]) -> int:
-    """The smallest context level whose tables are at least as wide as the batch's, for every ratio."""
+def pick_level(widths: dict[int, dict[int, int]], needed: dict[int, int]) -> int | None:
+    """The smallest context level whose tables are at least as wide as the batch's, for every ratio (None: wider
+    than every graph; the step then runs eagerly)."""
     for level in sorted(widths):
         if all(widths[level].get(r, 0) >= w for r, w in needed.items()):
             return level
-    raise ValueError(f"a decode batch's block tables {needed} exceed the widest graph {widths[max(widths)]}")
+    return None

@@ -68,7 +68,7 @@ class ModelRunner:
     def batch(self, rows: list[tuple[RequestCache, list[int]]], pad_to: int | None = None) -> StepBatch:
         for rc, ids in rows:
             self.alloc.reserve(rc, rc.tokens + len(ids))
-        return make_batch(rows, self.ratios, self.device, pad_to)
+        return make_batch(rows, self.ratios, self.device, pad_to, self.sizing.block_size)
 
     @torch.inference_mode()
     def extend(self, batch: StepBatch, capture: tuple[int, ...] = ()) -> ExtendOut:

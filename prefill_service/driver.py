@@ -125,8 +125,8 @@ class Driver:
             finished: set[int] = set()
 
             def on_job(i: int, reports: list[StageReport]) -> None:  # a job done before its round (one stage)
-                finished.add(i)
                 self._finish(taken[i], reports)
+                finished.add(i)  # only once answered: if _finish raised, the round's failure answers it
             try:
                 per_job = self.pipeline.lead(Round(tuple(p.job for p in taken)), on_job)
                 for i, (p, reports) in enumerate(zip(taken, per_job)):

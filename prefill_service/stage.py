@@ -91,7 +91,7 @@ class StageWorker:
             send(out_streams)
 
     def _compute(self, job, rc, part, final, shipper, streams):
-        batch = make_batch([(rc, part)], self.ratios, self.device)
+        batch = make_batch([(rc, part)], self.ratios, self.device, block_size=BLOCK)
         out = self.model.extend(batch, self.pool, streams, capture=self._aux(), on_layer=shipper.on_layer(batch, final))
         rc.tokens += len(part)
         if self.last:

@@ -99,3 +99,14 @@ def test_cache_settings_are_checked():
     with pytest.raises(ValueError, match="cache-tokens"):
         DecodeConfig(model="m", cache_tokens=1000, max_model_len=4096)
     assert DecodeConfig(model="m", max_model_len=4096).cache_tokens == 0  # sized at startup
+
+
+def test_cpu_cache_default_holds_an_explicit_context():
+    from decode_service.config import DecodeConfig
+    from decode_service.runtime import CPU_CACHE_TOKENS, default_cache_tokens
+
+    target = tiny_model()
+    cpu = torch.device("cpu")
+    assert default_cache_tokens(DecodeConfig(model="m"), target, None, cpu, torch.float32) == CPU_CACHE_TOKENS
+    big = DecodeConfig(model="m", max_model_len=100_000)
+    assert default_cache_tokens(big, target, None, cpu, torch.float32) == 100_001

@@ -53,3 +53,22 @@ def test_a_job_is_answered_when_it_is_done_not_when_its_round_is(fail):
             assert (await asyncio.wait_for(second, 5)).job.request_id == "b"
         await asyncio.to_thread(driver.close)
     asyncio.run(main())
+
+
+def test_a_job_whose_answer_fails_is_answered_by_the_round_failure():
+    class Metrics:
+        queue = type("G", (), {"set": lambda self, v: None})()
+
+        def observe(self, job, reports):
+            raise RuntimeError("metrics broke")
+
+    async def main():
+        pipe = ScriptedPipeline(fail=True)
+        driver = Driver(pipe, batch_tokens=100, loop=asyncio.get_running_loop(), metrics=Metrics())
+        with driver._cv:
+            first = driver.submit(job("a"), 30)
+        pipe.release.set()
+        with pytest.raises(PrefillFailed):
+            await asyncio.wait_for(first, 5)
+        await asyncio.to_thread(driver.close)
+    asyncio.run(main())
