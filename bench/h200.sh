@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks recorded in the issue notes, on an H200 machine (one or two GPUs).
 # In a device run: source bench/gpu_prelude.sh && bash bench/h200.sh tests && bash bench/h200.sh tiny ...
-#   bash bench/h200.sh tests|tiny|small|more|step   (results under $OUT; more: no-spec baseline, decode on cuda:1;
-#   step: bench/decode_step.py on the small preset)
+#   bash bench/h200.sh check|bench   (two calls of under 10 minutes: everything below, results under $OUT)
+#   bash bench/h200.sh tests|tiny|small|more|step   (more: no-spec baseline, decode on cuda:1; step:
+#   bench/decode_step.py on the small preset)
 set -u
 OUT=${OUT:-/tmp/dspark-out}
 mkdir -p "$OUT"
@@ -38,6 +39,19 @@ pair() {  # label model prefill-args decode-args
 }
 
 case "${1:-tests}" in
+check|bench)  # two device calls of under 10 minutes each, phases under time limits, logs tarred (a device run
+  # returns only a few files): check = GPU tests + tiny equality; bench = small tables + decode step + no-spec
+  self=$(readlink -f "$0")
+  if [ "$1" = check ]; then
+    timeout 150 bash "$self" tests; timeout 300 bash "$self" tiny
+  else
+    timeout 330 bash "$self" small; timeout 120 bash "$self" step; PAIRS=s1n timeout 100 bash "$self" more
+  fi > /dev/null
+  (cd "$OUT" && tar czf logs.tgz --remove-files ./*.log 2>/dev/null)
+  cd "$OUT" && for f in gpu_tests.txt tiny_equality.txt serve.txt transfer.txt step.txt; do
+    [ -f "$f" ] && { echo "== $f"; grep -v "^[WIE][0-9]\|^WARNING" "$f" | tail -60; }
+  done
+  ;;
 tests)
   nvidia-smi > "$OUT/nvidia-smi.txt"
   $PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
