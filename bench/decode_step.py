@@ -28,6 +28,7 @@ import time
 import torch
 
 from engine.devices import resolve_device
+from engine.batch import bucket_for
 from engine.engine import Engine
 from engine.graphs import pick_level
 from engine.proposer import DSparkProposer
@@ -123,22 +124,24 @@ def main() -> None:
           f"{'weights GB':>12}{'roofline ms':>13}{'step / roofline':>17}")
     rng = random.Random(0)
     for b in batches:
-        reqs = [eng.add_request([rng.randrange(6, cfg.vocab_size) for _ in range(args.prompt)],
-                                SamplingParams(max_tokens=per_request - args.prompt - k, ignore_eos=True)) for _ in range(b)]
+        params = SamplingParams(max_tokens=per_request - args.prompt - k, ignore_eos=True)
+        reqs = [eng.add_request([rng.randrange(6, cfg.vocab_size) for _ in range(args.prompt)], params)
+                for _ in range(b)]
         while any(not r.output_ids for r in reqs):  # prefill
             eng.step()
         eng.step()
         step = time_steps(eng, args.steps, device)
-        graphs = eng.graphs
-        level = graphs and pick_level(graphs.widths, {r: max(len(q.cache.tables[r]) for q in reqs)
+        graphs, bucket, bs = eng.graphs, bucket_for(b), eng.runner.sizing.block_size
+        # the level a step of these requests replays (tables cover the tokens after the step, as make_batch cuts)
+        level = graphs and pick_level(graphs.widths, {r: max(-(-((q.cache.tokens + k) // r) // bs) for q in reqs)
                                                       for r in eng.runner.ratios})
-        verify = time_replays(graphs._verify, (b, level), args.steps, device) if graphs else float("nan")
-        propose = (time_replays(graphs._propose, b, args.steps, device) if graphs and proposer
+        verify = time_replays(graphs._verify, (bucket, level), args.steps, device) if graphs else float("nan")
+        propose = (time_replays(graphs._propose, bucket, args.steps, device) if graphs and proposer
                    else (0.0 if graphs else float("nan")))
         host = step - verify - propose if graphs else float("nan")
         dense = device.type == "cuda"
         frac = 1.0 if dense else touched_fraction(b * k, cfg.num_experts_per_tok, cfg.n_routed_experts)
-        nbytes = weight_bytes(target, frac) + (weight_bytes(proposer.drafter, 0.0) if proposer else 0)
+        nbytes = weight_bytes(target, frac) + (weight_bytes(proposer.drafter, frac) if proposer else 0)
         roof = nbytes / bw
         print(f"{b:>6}{step * 1e3:>10.2f}{verify * 1e3:>17.2f}{propose * 1e3:>18.2f}{host * 1e3:>10.2f}"
               f"{nbytes / 1e9:>12.2f}{roof * 1e3:>13.3f}{step / roof:>17.1f}")
