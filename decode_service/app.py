@@ -13,6 +13,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .completions import chat_completions, completions
 from .config import DecodeConfig
@@ -58,8 +59,20 @@ def create_app(cfg: DecodeConfig) -> FastAPI:
         param = ".".join(loc) or None
         message = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
         if err.get("type") == "json_invalid":
+            param = None  # loc holds a character offset
             message = f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}"
         return JSONResponse(error_body(400, message, param=param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):  # unknown path (404), wrong method (405), ...
+        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"),
+                            status_code=500)
 
     async def authorize(request: Request) -> None:
         if cfg.api_key and request.headers.get("authorization") != f"Bearer {cfg.api_key}":
@@ -81,6 +94,14 @@ def create_app(cfg: DecodeConfig) -> FastAPI:
         ctx = ctx_of(request)
         return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": int(ctx.started),
                                             "owned_by": "dspark-pd", "max_model_len": ctx.max_model_len}]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorize)])
+    async def _model(request: Request, model_id: str):
+        listing = await _models(request)
+        found = [m for m in listing["data"] if m["id"] == model_id]
+        if not found:
+            raise RequestError(404, f"the model {model_id!r} does not exist", param="model")
+        return found[0]
 
     @app.get("/health")
     async def _health():

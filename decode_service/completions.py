@@ -27,14 +27,18 @@ async def chat_completions(ctx: ServiceContext, request: Request, body: ChatComp
     _check_model(ctx, body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    prompt = ctx.tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+    # "developer" is the newer name of "system" (chat templates know only the latter)
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    _check_unicode([m["content"] for m in messages], "messages")
+    prompt = await asyncio.to_thread(ctx.tokenizer.encode_chat, messages)  # long prompts: off the event loop
     return await _respond(ctx, request, body, prompt, chat=True, prompt_param="messages")
 
 
 async def completions(ctx: ServiceContext, request: Request, body: CompletionRequest):
     _check_model(ctx, body.model)
     if isinstance(body.prompt, str):
-        prompt = ctx.tokenizer.encode(body.prompt)
+        _check_unicode([body.prompt], "prompt")
+        prompt = await asyncio.to_thread(ctx.tokenizer.encode, body.prompt)
     else:
         prompt = list(body.prompt)
         bad = [t for t in prompt if not 0 <= t < ctx.vocab_size]
@@ -46,6 +50,16 @@ async def completions(ctx: ServiceContext, request: Request, body: CompletionReq
     return await _respond(ctx, request, body, prompt, chat=False, prompt_param="prompt")
 
 
+def _check_unicode(texts: list[str], param: str) -> None:
+    """JSON may carry lone surrogates (\\ud800), which are not Unicode text and cannot be tokenised."""
+    for t in texts:
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RequestError(400, f"{param} holds a character that is not valid Unicode ({e.reason} at "
+                                    f"{e.start})", param=param) from None
+
+
 def _check_model(ctx: ServiceContext, name: str) -> None:
     if name != ctx.model_name:
         raise RequestError(404, f"the model {name!r} does not exist; this server serves {ctx.model_name!r}",
@@ -53,16 +67,16 @@ def _check_model(ctx: ServiceContext, name: str) -> None:
 
 
 def _params(ctx, body, prompt: list[int], prompt_param: str) -> list[SamplingParams]:
+    room = ctx.max_model_len - len(prompt)
+    if room < 1:
+        raise RequestError(400, f"the prompt has {len(prompt)} tokens; the context holds {ctx.max_model_len}",
+                           param=prompt_param)
     limit_prefill = ctx.peers.max_prompt_tokens if ctx.peers else None
     if limit_prefill is not None and len(prompt) > limit_prefill:
         raise RequestError(400, f"the prompt has {len(prompt)} tokens; the prefill service takes at most "
                                 f"{limit_prefill}", param=prompt_param)
     if ctx.receiver.request_bytes(len(prompt)) > ctx.receiver.arena.buffer.numel():
         raise RequestError(400, f"the prompt's state ({len(prompt)} tokens) exceeds the receive arena",
-                           param=prompt_param)
-    room = ctx.max_model_len - len(prompt)
-    if room < 1:
-        raise RequestError(400, f"the prompt has {len(prompt)} tokens; the context holds {ctx.max_model_len}",
                            param=prompt_param)
     limit = body.limit if body.limit is not None else room
     if limit > room:

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Base(BaseModel):
     model_config = ConfigDict(extra="ignore")  # unknown OpenAI fields (user, presence_penalty, ...) are ignored
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        """OpenAI clients send null for "not set" (temperature, n, stream, ...): take the default."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 class ContentPart(_Base):

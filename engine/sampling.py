@@ -1,6 +1,7 @@
 """Sampling with counter-based randomness: every random number is a pure function of (request seed, position,
-stream), so results do not depend on batch composition or on which other requests ran, and the drafter's and the
-verifier's draws come from disjoint streams.
+stream), so the draws do not depend on batch composition or on which other requests ran, and the drafter's and the
+verifier's draws come from disjoint streams. (The logits can: a different batch shape can change their last bits,
+which at high temperature may pick another token; at temperature 0 only an exact tie could.)
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import torch
 
 # stream ids: disjoint counter ranges for each consumer of randomness
 TARGET, DRAFT, ACCEPT = 0, 1, 2
+# temperatures below this are greedy: logits / t would overflow fp32 (1e-40 gave NaN probabilities)
+GREEDY_BELOW = 1e-5
 _M64 = (1 << 64) - 1
 
 
@@ -34,7 +37,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def _as_int64(v: int) -> int:
@@ -75,11 +78,12 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: to
     the top-p sort over the vocabulary are skipped; the result is the same one-hot rows."""
     if all_greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    greedy = temperature <= 0
+    greedy = temperature < GREEDY_BELOW
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
     probs = torch.softmax(logits / t[:, None], dim=-1)
     sorted_p, order = probs.sort(dim=-1, descending=True)
     keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p[:, None]
+    keep_sorted[:, 0] = True  # the most likely token always stays (a top_p too small for fp32 kept none)
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     probs = probs * keep
     probs = probs / probs.sum(-1, keepdim=True)

@@ -123,3 +123,12 @@ def test_token_bytes_reassemble_the_text():
         except UnicodeDecodeError:
             return True
     assert any(partial(tok.token_bytes(i)) for i in ids)  # some tokens hold part of a character
+
+
+def test_vanishing_temperature_and_top_p_stay_well_defined():
+    """temperature 1e-40 overflowed logits / t and top_p 1e-300 (0 in fp32) kept no token: both gave NaN rows."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    greedy = probs_from_logits(logits, torch.zeros(3), torch.ones(3))
+    assert torch.equal(probs_from_logits(logits, torch.full((3,), 1e-40), torch.ones(3)), greedy)
+    assert torch.equal(probs_from_logits(logits, torch.ones(3), torch.full((3,), 1e-300)), greedy)
+    assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=0.01).greedy

@@ -154,6 +154,9 @@ BAD = [
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}), 400,
      "max_tokens"),
     (json.dumps({"model": "tiny", "prompt": [1, 5, 99999]}), 400, "prompt"),
+    # a lone surrogate is valid JSON but not Unicode: the tokenizer raised a TypeError (a bare 500) before
+    ('{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages"),
+    ('{"model": "tiny", "prompt": "a\\udfff"}', 400, "prompt"),
 ]
 
 
@@ -165,6 +168,23 @@ def test_bad_input_gets_openai_error(pair, body, status, word):
     err = r.json()["error"]
     assert word in err["message"] or word == err.get("param"), err
     assert err["type"]
+
+
+def test_openai_client_conventions(pair):
+    """null for "not set", the developer role (the newer name of system), models.retrieve, and OpenAI-style
+    bodies for unknown paths and methods."""
+    base = {"model": "tiny", "max_tokens": 3, "temperature": 0}
+    system = httpx.post(f"{pair.url}/v1/chat/completions", json={
+        **base, "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}).json()
+    developer = httpx.post(f"{pair.url}/v1/chat/completions", json={
+        **base, "n": None, "top_p": None, "stream": None, "logprobs": None,
+        "messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]}).json()
+    assert developer["usage"] == system["usage"], developer
+    assert developer["choices"][0]["message"] == system["choices"][0]["message"]
+    assert asyncio.run(_client(pair).models.retrieve("tiny")).id == "tiny"
+    for r in (httpx.get(f"{pair.url}/v1/nothing"), httpx.get(f"{pair.url}/v1/chat/completions"),
+              httpx.get(f"{pair.url}/v1/models/gpt-9")):
+        assert r.status_code in (404, 405) and r.json()["error"]["message"], r.text
 
 
 def _idle(pair, quarantined: int = 0) -> None:
