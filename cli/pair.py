@@ -65,6 +65,9 @@ class Pair:
         return p
 
     def __enter__(self) -> "Pair":
+        # SIGTERM (docker stop, systemd, timeout) and SIGHUP stop the pair like Ctrl-C: the services run in their
+        # own sessions, so nothing else would stop them
+        self._handlers = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
         c = self.cfg
         threads = str(max(1, (os.cpu_count() or 2) // (c.pp + 1)))
         print(f"starting prefill ({c.pp} stage(s)) on :{self.grpc_port} ...", flush=True)
@@ -107,6 +110,12 @@ class Pair:
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
+        for sig, handler in getattr(self, "_handlers", {}).items():
+            signal.signal(sig, handler)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def up(cfg: UpConfig) -> int:

@@ -64,3 +64,38 @@ def test_bench_subcommand_runs_a_benchmark():
     r = dspark("bench", "spec_cpu", "--requests", "1", "--prompt", "8", "--max-tokens", "6")
     assert r.returncode == 0, r.stderr
     assert "forced acceptance" in r.stdout and "accept len" in r.stdout
+
+
+def test_up_stops_both_services_on_sigterm():
+    """`dspark-pd up` under docker stop / systemd / timeout gets SIGTERM, not Ctrl-C: the services (in their own
+    sessions) must go with it."""
+    import os
+    import re
+    import signal
+    import socket
+    import time
+
+    up = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--pp", "1", "--port", "0", "--device", "cpu"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, "MC_LOG_LEVEL": "ERROR"})
+    try:
+        port = None
+        for line in up.stdout:
+            m = re.search(r"ready: OpenAI API at http://127\.0\.0\.1:(\d+)/v1", line)
+            if m:
+                port = int(m.group(1))
+                break
+        assert port, "up never became ready"
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+        end = time.monotonic() + 30
+        while time.monotonic() < end:  # the decode service's port closes once it has exited
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) != 0:
+                    break
+            time.sleep(0.5)
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0, "the decode service outlived `up`"
+    finally:
+        if up.poll() is None:
+            up.kill()
