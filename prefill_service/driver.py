@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .messages import Job, Round, StageReport
@@ -42,8 +43,12 @@ class _Pending:
 
 
 class Driver:
-    def __init__(self, pipeline: Pipeline, batch_tokens: int, loop: asyncio.AbstractEventLoop, metrics=None):
+    def __init__(self, pipeline: Pipeline, batch_tokens: int, loop: asyncio.AbstractEventLoop, metrics=None,
+                 on_broken: Callable[[str], None] | None = None):
+        """on_broken(reason) is called (from the driver thread) when a round fails outside a stage's per-request
+        containment with several stages: the stages are then out of step, and the driver stops taking work."""
         self.pipeline, self.batch_tokens, self.loop, self.metrics = pipeline, batch_tokens, loop, metrics
+        self.on_broken, self.broken = on_broken, None
         self._queue: deque[_Pending] = deque()
         self._inflight: dict[str, _Pending] = {}
         self._round_done: list[asyncio.Future] = []  # cancel acks waiting for the current round
@@ -57,6 +62,8 @@ class Driver:
     def submit(self, job: Job, timeout_s: float | None) -> asyncio.Future:
         fut = self.loop.create_future()
         with self._cv:
+            if self.broken:
+                raise PrefillFailed("UNAVAILABLE", f"the prefill pipeline is broken ({self.broken}); restarting")
             if job.request_id in self._inflight or any(p.job.request_id == job.request_id for p in self._queue):
                 raise ValueError(f"request {job.request_id} is already being prefilled")
             if job.request_id in self._tombstones:
@@ -91,7 +98,8 @@ class Driver:
             self._stop = True
             self._cv.notify()
         self._thread.join()
-        self.pipeline.shutdown()
+        if not self.broken:
+            self.pipeline.shutdown()
 
     @property
     def queued(self) -> int:
@@ -132,16 +140,34 @@ class Driver:
                 for i, (p, reports) in enumerate(zip(taken, per_job)):
                     if i not in finished:
                         self._finish(p, reports)
-            except Exception as e:  # noqa: BLE001 - a failed round fails its requests, the service goes on
+            except Exception as e:  # noqa: BLE001 - a failed round fails its requests
                 log.exception("round of %d request(s) failed", len(taken))
+                broken = self.pipeline.world > 1  # a collective failed: the stages are out of step for good
+                code = "UNAVAILABLE" if broken else "INTERNAL"
                 for i, p in enumerate(taken):
                     if i not in finished:
-                        self._resolve(p.future, PrefillFailed("INTERNAL", f"prefill failed: {e}"))
+                        self._resolve(p.future, PrefillFailed(code, f"prefill failed: {e}"))
+                if broken:
+                    self._break(f"{type(e).__name__}: {e}")
             with self._cv:
                 self._inflight = {}
                 acks, self._round_done = self._round_done, []
+            if self.broken:  # a stage may still be writing: cancels get no acknowledgement (decode quarantines)
+                for ack in acks:
+                    self._resolve(ack, PrefillFailed("UNAVAILABLE", f"the prefill pipeline is broken ({self.broken})"))
+                return
             for ack in acks:
                 self._resolve(ack, True)
+
+    def _break(self, reason: str) -> None:
+        with self._cv:
+            self.broken = reason
+            queued, self._queue = list(self._queue), deque()
+            self._gauge()
+        for p in queued:
+            self._resolve(p.future, PrefillFailed("UNAVAILABLE", f"the prefill pipeline is broken ({reason})"))
+        if self.on_broken:
+            self.on_broken(reason)
 
     def _finish(self, p: _Pending, reports: list[StageReport]) -> None:
         rid = p.job.request_id

@@ -150,12 +150,27 @@ class _Refused(Exception):
         self.code = code
 
 
-async def _serve_async(cfg: PrefillConfig, pipeline: Pipeline) -> None:
+BROKEN_EXIT = 3  # the pipeline broke: the process exits so that a supervisor starts a fresh one
+
+
+async def _serve_async(cfg: PrefillConfig, pipeline: Pipeline, followers: list) -> int:
+    """Serve until SIGINT/SIGTERM (returns 0) or until the pipeline breaks (returns BROKEN_EXIT): a stage process
+    died, or a round failed between stages. A broken pipeline cannot be mended in place (the stages' collectives
+    are out of step), so the service stops answering and exits; decode sees the peer go away."""
+    loop = asyncio.get_running_loop()
     registry = CollectorRegistry()
     metrics = Metrics(registry)
     if cfg.metrics_port:
         start_http_server(cfg.metrics_port, addr=cfg.host, registry=registry)
-    driver = Driver(pipeline, cfg.batch_tokens, asyncio.get_running_loop(), metrics)
+    stop, broken = asyncio.Event(), []
+
+    def fail(reason: str) -> None:
+        if not broken:
+            log.critical("prefill pipeline broken: %s; exiting", reason)
+            broken.append(reason)
+            stop.set()
+    driver = Driver(pipeline, cfg.batch_tokens, loop, metrics,
+                    on_broken=lambda reason: loop.call_soon_threadsafe(fail, reason))
     server = grpc.aio.server()
     prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(cfg, pipeline, driver, metrics), server)
     health_servicer = health.aio.HealthServicer()
@@ -167,13 +182,28 @@ async def _serve_async(cfg: PrefillConfig, pipeline: Pipeline) -> None:
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("dspark.prefill.v1.PrefillService", health_pb2.HealthCheckResponse.SERVING)
     print(f"prefill service ready on {cfg.host}:{cfg.port} ({pipeline.world} stage(s))", flush=True)
-    stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop.set)
+
+    async def watch_stages():  # a stage dying between rounds (NCCL might otherwise wait in a collective for long)
+        while True:
+            dead = [p for p in followers if not p.is_alive()]
+            if dead:
+                fail(f"stage process {dead[0].name} exited with code {dead[0].exitcode}")
+                return
+            await asyncio.sleep(0.5)
+    watcher = loop.create_task(watch_stages())
     await stop.wait()
+    watcher.cancel()
+    if broken:
+        for name in ("", "dspark.prefill.v1.PrefillService"):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.stop(grace=0.5)
+        return BROKEN_EXIT  # the driver thread may be stuck in a collective: not joined
     log.info("shutting down")
     await server.stop(grace=2)
     await asyncio.to_thread(driver.close)
+    return 0
 
 
 def serve(cfg: PrefillConfig, log_level: str = "INFO") -> int:
@@ -194,7 +224,12 @@ def serve(cfg: PrefillConfig, log_level: str = "INFO") -> int:
             p.start()
     env.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
     pipeline = Pipeline(cfg, 0, world)
-    asyncio.run(_serve_async(cfg, pipeline))
+    code = asyncio.run(_serve_async(cfg, pipeline, followers))
+    if code == BROKEN_EXIT:
+        for p in followers:
+            p.kill()  # no stage may go on writing into decode's memory
+        logging.shutdown()
+        os._exit(code)  # threads stuck in collectives would keep an orderly exit waiting
     for p in followers:
         p.join(timeout=10)
     return 0

@@ -19,8 +19,8 @@ def job(rid: str) -> Job:
 class ScriptedPipeline:
     """Reports job 0 through on_job, then holds the round until released (and optionally fails it)."""
 
-    def __init__(self, fail: bool = False):
-        self.release, self.fail, self.rounds = threading.Event(), fail, []
+    def __init__(self, fail: bool = False, world: int = 1):
+        self.release, self.fail, self.rounds, self.world = threading.Event(), fail, [], world
 
     def lead(self, rnd, on_job=None):
         self.rounds.append(len(rnd.jobs))
@@ -70,5 +70,26 @@ def test_a_job_whose_answer_fails_is_answered_by_the_round_failure():
         pipe.release.set()
         with pytest.raises(PrefillFailed):
             await asyncio.wait_for(first, 5)
+        await asyncio.to_thread(driver.close)
+    asyncio.run(main())
+
+
+def test_a_round_failing_between_stages_breaks_the_pipeline():
+    """With several stages an exception out of a round means the stages' collectives are out of step: the round's
+    unanswered and the queued requests get UNAVAILABLE, new ones are refused, and the server is told."""
+    async def main():
+        pipe, told = ScriptedPipeline(fail=True, world=2), []
+        driver = Driver(pipe, batch_tokens=6, loop=asyncio.get_running_loop(), on_broken=told.append)
+        with driver._cv:
+            first, second, queued = (driver.submit(job(r), 30) for r in "abc")  # a round holds a and b only
+        await asyncio.wait_for(first, 5)
+        pipe.release.set()
+        for fut in (second, queued):
+            with pytest.raises(PrefillFailed) as e:
+                await asyncio.wait_for(fut, 5)
+            assert e.value.code == "UNAVAILABLE"
+        with pytest.raises(PrefillFailed, match="broken"):
+            driver.submit(job("d"), 30)
+        assert told and "stage died" in told[0]
         await asyncio.to_thread(driver.close)
     asyncio.run(main())

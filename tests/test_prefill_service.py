@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import os
+import signal
 
 import grpc
 import pytest
@@ -288,3 +290,22 @@ def test_multi_node_rendezvous_through_env(receiver, reference):
         leader.stop()
         worker.kill()
         worker.wait()
+
+
+def test_a_dead_stage_takes_the_service_down_for_a_restart():
+    """A stage process killed (OOM killer, crash): the leader cannot mend the pipeline in place, so it stops
+    answering and exits with code 3 (a supervisor restarts it; decode sees the peer go away) instead of staying
+    "ready" and failing every request."""
+    import pathlib
+
+    svc, _ = start_prefill(2)
+    try:
+        children = pathlib.Path(f"/proc/{svc.proc.pid}/task/{svc.proc.pid}/children").read_text().split()
+        stages = [int(c) for c in children
+                  if "spawn_main" in pathlib.Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace")]
+        assert len(stages) == 1
+        os.kill(stages[0], signal.SIGKILL)
+        assert svc.proc.wait(timeout=30) == 3
+        assert "prefill pipeline broken" in svc.output()
+    finally:
+        svc.stop()
