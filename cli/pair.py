@@ -169,7 +169,8 @@ def _print_metrics(text: str) -> None:
         m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
         return float(m.group(1)) if m else float("nan")
 
-    rows = [("requests", value('requests_total{outcome="length"}') + value('requests_total{outcome="stop"}'), ""),
+    finished = sum(float(v) for v in re.findall(r'^requests_total\{outcome="[^"]*"\} ([0-9.e+-]+)$', text, re.M))
+    rows = [("requests", finished, ""),  # by outcome; an outcome that never happened has no line
             ("mean TTFT", value("ttft_seconds_sum") / value("ttft_seconds_count") * 1e3, "ms"),
             ("mean inter-token latency", value("inter_token_latency_seconds_sum") /
              value("inter_token_latency_seconds_count") * 1e3, "ms"),

@@ -99,3 +99,11 @@ def test_up_stops_both_services_on_sigterm():
     finally:
         if up.poll() is None:
             up.kill()
+
+
+def test_demo_metrics_table_counts_requests_of_any_outcome(capsys):
+    from cli.pair import _print_metrics
+
+    _print_metrics('requests_total{outcome="length"} 4.0\nttft_seconds_sum 0.4\nttft_seconds_count 4.0\n')
+    out = capsys.readouterr().out
+    assert "requests" in out and " 4.00" in out and "100.00 ms" in out
