@@ -164,10 +164,10 @@ class Driver:
             self.broken = reason
             queued, self._queue = list(self._queue), deque()
             self._gauge()
+        if self.on_broken:  # first: the server stops answering before the queued requests learn why
+            self.on_broken(reason)
         for p in queued:
             self._resolve(p.future, PrefillFailed("UNAVAILABLE", f"the prefill pipeline is broken ({reason})"))
-        if self.on_broken:
-            self.on_broken(reason)
 
     def _finish(self, p: _Pending, reports: list[StageReport]) -> None:
         rid = p.job.request_id

@@ -81,7 +81,7 @@ def test_a_round_failing_between_stages_breaks_the_pipeline():
         pipe, told = ScriptedPipeline(fail=True, world=2), []
         driver = Driver(pipe, batch_tokens=6, loop=asyncio.get_running_loop(), on_broken=told.append)
         with driver._cv:
-            first, second, queued = (driver.submit(job(r), 30) for r in "abc")  # a round holds a and b only
+            first, second, queued = (driver.submit(job(r), 30) for r in "abc")  # a round holds a and b
         await asyncio.wait_for(first, 5)
         pipe.release.set()
         for fut in (second, queued):
