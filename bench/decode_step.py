@@ -73,11 +73,12 @@ def touched_fraction(tokens: int, k: int, e: int) -> float:
     return 1 - (1 - k / e) ** tokens
 
 
-def time_steps(eng: Engine, steps: int, device: torch.device) -> float:
+def seconds_per_call(fn, steps: int, device: torch.device) -> float:
+    """Mean wall time of fn() over `steps` calls, the device drained before and after."""
     sync(device)
     t = time.perf_counter()
     for _ in range(steps):
-        eng.step()
+        fn()
     sync(device)
     return (time.perf_counter() - t) / steps
 
@@ -86,13 +87,8 @@ def time_replays(graphs: dict, key, steps: int, device: torch.device) -> float:
     if key not in graphs:
         return float("nan")
     g = graphs[key][0]
-    g.replay()
-    sync(device)
-    t = time.perf_counter()
-    for _ in range(steps):
-        g.replay()
-    sync(device)
-    return (time.perf_counter() - t) / steps
+    g.replay()  # warm
+    return seconds_per_call(g.replay, steps, device)
 
 
 def main() -> None:
@@ -130,7 +126,7 @@ def main() -> None:
         while any(not r.output_ids for r in reqs):  # prefill
             eng.step()
         eng.step()
-        step = time_steps(eng, args.steps, device)
+        step = seconds_per_call(eng.step, args.steps, device)
         graphs, bucket, bs = eng.graphs, bucket_for(b), eng.runner.sizing.block_size
         # the level a step of these requests replays (tables cover the tokens after the step, as make_batch cuts)
         level = graphs and pick_level(graphs.widths, {r: max(-(-((q.cache.tokens + k) // r) // bs) for q in reqs)
