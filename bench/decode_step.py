@@ -28,6 +28,7 @@ import time
 import torch
 
 from engine.devices import resolve_device
+from engine.allocator import blocks_for
 from engine.batch import bucket_for
 from engine.engine import Engine
 from engine.graphs import pick_level
@@ -129,7 +130,7 @@ def main() -> None:
         step = seconds_per_call(eng.step, args.steps, device)
         graphs, bucket, bs = eng.graphs, bucket_for(b), eng.runner.sizing.block_size
         # the level a step of these requests replays (tables cover the tokens after the step, as make_batch cuts)
-        level = graphs and pick_level(graphs.widths, {r: max(-(-((q.cache.tokens + k) // r) // bs) for q in reqs)
+        level = graphs and pick_level(graphs.widths, {r: max(blocks_for(q.cache.tokens + k, r, bs) for q in reqs)
                                                       for r in eng.runner.ratios})
         verify = time_replays(graphs._verify, (bucket, level), args.steps, device) if graphs else float("nan")
         propose = (time_replays(graphs._propose, bucket, args.steps, device) if graphs and proposer

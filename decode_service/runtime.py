@@ -36,10 +36,10 @@ def model_name(cfg: DecodeConfig) -> str:
 CPU_CACHE_TOKENS = 65536
 
 
-def default_cache_tokens(cfg: DecodeConfig, target, proposer, device: torch.device, dtype: torch.dtype) -> int:
+def default_cache_tokens(cfg: DecodeConfig, target, proposer, lookahead: int, device: torch.device,
+                         dtype: torch.dtype) -> int:
     """--cache-tokens 0: on a GPU, as many tokens as --cache-memory-fraction of the memory free after loading the
     model holds (at most --max-running full contexts); a fixed amount on the CPU."""
-    lookahead = proposer.block_size + 1 if proposer else 1
     context = (cfg.max_model_len or target.cfg.max_position_embeddings) + lookahead
     if device.type != "cuda":
         return max(CPU_CACHE_TOKENS, context if cfg.max_model_len else 0)
@@ -73,7 +73,7 @@ def build_context(cfg: DecodeConfig, loop: asyncio.AbstractEventLoop) -> Service
     if cfg.spec and mcfg.has_dspark:
         proposer = DSparkProposer(load_drafter(cfg.model, device=device, dtype=dtype, qat_sim=cfg.qat_sim), target)
     lookahead = proposer.block_size + 1 if proposer else 1
-    cache_tokens = cfg.cache_tokens or default_cache_tokens(cfg, target, proposer, device, dtype)
+    cache_tokens = cfg.cache_tokens or default_cache_tokens(cfg, target, proposer, lookahead, device, dtype)
     if cfg.max_model_len + lookahead > cache_tokens:
         raise ValueError(f"the cache ({cache_tokens} tokens) cannot hold one request of --max-model-len "
                          f"{cfg.max_model_len} (+{lookahead} lookahead)")

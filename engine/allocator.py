@@ -20,6 +20,11 @@ class RequestCache:
     tables: dict[int, list[int]] = field(default_factory=dict)  # ratio -> block ids
 
 
+def blocks_for(tokens: int, ratio: int, block_size: int) -> int:
+    """Blocks holding the compressed entries of `tokens` tokens at compression `ratio` (whole windows only)."""
+    return -(-(tokens // ratio) // block_size)
+
+
 class CacheAllocator:
     def __init__(self, num_slots: int, num_blocks: dict[int, int], block_size: int):
         self.block_size = block_size
@@ -28,7 +33,7 @@ class CacheAllocator:
         self.capacity = {r: n - 1 for r, n in num_blocks.items()}
 
     def _blocks_for(self, tokens: int, ratio: int) -> int:
-        return -(-(tokens // ratio) // self.block_size)
+        return blocks_for(tokens, ratio, self.block_size)
 
     def can_fit(self, tokens: int) -> bool:
         """Could a new request holding `tokens` tokens be admitted now?"""

@@ -6,7 +6,7 @@ import torch
 
 from model.target import StepBatch
 
-from .allocator import RequestCache
+from .allocator import RequestCache, blocks_for
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -34,7 +34,7 @@ def make_batch(rows: list[tuple[RequestCache, list[int]]], ratios: tuple[int, ..
     slots = [rc.slot for rc, _ in rows] + [0] * pad
     tables = {}
     for r in ratios:
-        used = [rc.tables[r] if block_size is None else rc.tables[r][:-(-((rc.tokens + k) // r) // block_size)]
+        used = [rc.tables[r] if block_size is None else rc.tables[r][:blocks_for(rc.tokens + k, r, block_size)]
                 for rc, _ in rows]
         width = max([len(t) for t in used] + [1])
         tables[r] = torch.tensor([t + [0] * (width - len(t)) for t in used] + [[0] * width] * pad,

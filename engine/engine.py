@@ -148,10 +148,9 @@ class Engine:
 
     def _verify(self, batch, capture) -> tuple:
         """The target forward of a decode step (graphed when a graph exists for the bucket): (out, logits)."""
-        if self.graphs is not None and self.graphs.has(batch.input_ids.shape[0]):
-            graphed = self.graphs.verify(batch)
-            if graphed is not None:
-                return graphed
+        graphed = self.graphs.verify(batch) if self.graphs is not None else None  # None: no graph for it
+        if graphed is not None:
+            return graphed
         out = self.runner.extend(batch, capture=capture)
         with torch.inference_mode():
             return out, self.runner.model.logits(out.streams)
@@ -178,8 +177,7 @@ class Engine:
         accepted = (n_acc + 1).masked_fill(rows.is_padding, 0)
         # commit from the device tensor: the host learns the counts only at the one transfer below, so it can keep
         # queueing this step's work while the GPU is still verifying
-        with torch.inference_mode():  # as ModelRunner.commit: the pending state comes from inference-mode forwards
-            self.runner.pool.commit(batch, out.pending, accepted)
+        self.runner.commit_state(batch, out, accepted)
         self.proposer.extend_context(self.runner.pool, batch, out.aux, accepted)
         logp = torch.log_softmax(logits, -1)
         emitted = torch.cat((draft.tokens, last[:, None]), 1)  # accepted drafts, then `last` at position n

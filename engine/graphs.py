@@ -19,6 +19,7 @@ import torch
 
 from model.target import ExtendOut, StepBatch
 
+from .allocator import blocks_for
 from .proposer import Draft, DraftRows, Proposer
 from .runner import ModelRunner
 
@@ -146,7 +147,7 @@ def context_levels(max_tokens: int, smallest: int = 512) -> tuple[int, ...]:
 
 def table_widths(tokens: int, ratios: tuple[int, ...], block_size: int) -> dict[int, int]:
     """Block-table width per compression ratio for requests of up to `tokens` tokens."""
-    return {r: max(1, -(-(tokens // r) // block_size)) for r in ratios}
+    return {r: max(1, blocks_for(tokens, r, block_size)) for r in ratios}
 
 
 def pick_level(widths: dict[int, dict[int, int]], needed: dict[int, int]) -> int | None:

@@ -74,13 +74,18 @@ class ModelRunner:
     def extend(self, batch: StepBatch, capture: tuple[int, ...] = ()) -> ExtendOut:
         return self.model.extend(batch, self.pool, capture=capture)
 
-    @torch.inference_mode()
     def commit(self, rows: list[RequestCache], batch: StepBatch, out: ExtendOut, accepted: list[int]) -> None:
         """Keep accepted[i] of row i's new tokens (padding rows keep nothing)."""
         acc = accepted + [0] * (batch.input_ids.shape[0] - len(accepted))
-        self.pool.commit(batch, out.pending, torch.tensor(acc, dtype=torch.int64, device=self.device))
+        self.commit_state(batch, out, torch.tensor(acc, dtype=torch.int64, device=self.device))
         for rc, n in zip(rows, accepted):
             rc.tokens += n
+
+    @torch.inference_mode()
+    def commit_state(self, batch: StepBatch, out: ExtendOut, accepted: torch.Tensor) -> None:
+        """The device side of `commit`: accepted [B] on the device; the caller updates the rows' token counts (a
+        speculative step learns them only at its one transfer to the host)."""
+        self.pool.commit(batch, out.pending, accepted)
 
     def step(self, rows: list[tuple[RequestCache, list[int]]], pad_to: int | None = None) -> torch.Tensor:
         """All new tokens accepted; returns logits [B, K, vocab] fp32 for the real rows."""

@@ -107,6 +107,6 @@ def test_cpu_cache_default_holds_an_explicit_context():
 
     target = tiny_model()
     cpu = torch.device("cpu")
-    assert default_cache_tokens(DecodeConfig(model="m"), target, None, cpu, torch.float32) == CPU_CACHE_TOKENS
+    assert default_cache_tokens(DecodeConfig(model="m"), target, None, 1, cpu, torch.float32) == CPU_CACHE_TOKENS
     big = DecodeConfig(model="m", max_model_len=100_000)
-    assert default_cache_tokens(big, target, None, cpu, torch.float32) == 100_001
+    assert default_cache_tokens(big, target, None, 1, cpu, torch.float32) == 100_001
