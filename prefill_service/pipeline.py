@@ -75,8 +75,12 @@ class Pipeline:
         dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
         return box[0]
 
-    def _run(self, rnd: Round) -> list[StageReport]:
-        reports = [self.worker.run(job, self._recv, self._send) for job in rnd.jobs]
+    def _run(self, rnd: Round, on_report: Callable[[int, StageReport], None] | None = None) -> list[StageReport]:
+        reports = []
+        for i, job in enumerate(rnd.jobs):
+            reports.append(self.worker.run(job, self._recv, self._send))
+            if on_report is not None:
+                on_report(i, reports[-1])
         for h in self._sends:
             h.wait()
         self._sends.clear()
@@ -90,12 +94,8 @@ class Pipeline:
         of the round; with several, the last stage's reports reach the leader only at the round's end."""
         self._broadcast(rnd)
         if self.world == 1:
-            out = []
-            for i, job in enumerate(rnd.jobs):
-                out.append([self.worker.run(job, self._recv, self._send)])
-                if on_job is not None:
-                    on_job(i, out[-1])
-            return out
+            early = (lambda i, report: on_job(i, [report])) if on_job is not None else None
+            return [[r] for r in self._run(rnd, early)]
         mine = self._run(rnd)
         gathered = [None] * self.world
         dist.gather_object(mine, gathered, dst=0)
