@@ -109,40 +109,41 @@ class CachePool:
     def commit_rows(self, layer: int, batch: StepBatch, kv: torch.Tensor, accepted: torch.Tensor,
                     memo: dict | None = None) -> None:
         """Write the first accepted[b] of kv [B, K, D] (positions start..) into the layer's window ring."""
-        key = ("rows", kv.shape[1])
-        flat = memo.get(key) if memo is not None else None
-        if flat is None:
+        def positions():
             w, k = self.cfg.sliding_window, kv.shape[1]
             j = torch.arange(k, device=kv.device)[None]
             n = accepted[:, None]
             keep = (j < n) & (j >= n - w)
             row = torch.where(keep, (batch.start[:, None] + j) % w, torch.full_like(j, w))
-            flat = (batch.slots[:, None] * (w + 1) + row).flatten()
-            if memo is not None:
-                memo[key] = flat
+            return (batch.slots[:, None] * (w + 1) + row).flatten()
+        flat = _memoised(memo, ("rows", kv.shape[1]), positions)
         self.swa[layer].view(-1, kv.shape[-1]).index_put_((flat,), kv.flatten(0, 1))
 
     def _commit_compressor(self, batch: StepBatch, out: CompressorOut, accepted: torch.Tensor, r: int,
                            carry_kv: torch.Tensor, carry_gate: torch.Tensor, pool: torch.Tensor,
                            memo: dict | None = None) -> None:
         c, e = carry_kv.shape[1], out.entries.shape[1]
-        key = ("compressor", r, c, e)
-        cached = memo.get(key) if memo is not None else None
-        if cached is None:
+
+        def positions():
             idx = (accepted[:, None] + torch.arange(c, device=accepted.device))[..., None]  # [B, C, 1]
             bs = self.block_size
             table = batch.tables[r]
             w = (batch.start // r)[:, None] + torch.arange(e, device=accepted.device)  # [B, E]
             done = (w + 1) * r <= (batch.start + accepted)[:, None]
             block = torch.gather(table, 1, (w // bs).clamp(max=table.shape[1] - 1))
-            dest = torch.where(done, block * bs + w % bs, torch.full_like(w, SCRATCH * bs)).flatten()
-            cached = (idx, dest)
-            if memo is not None:
-                memo[key] = cached
-        idx, dest = cached
+            return idx, torch.where(done, block * bs + w % bs, torch.full_like(w, SCRATCH * bs)).flatten()
+        idx, dest = _memoised(memo, ("compressor", r, c, e), positions)
         carry_kv[batch.slots] = torch.gather(out.seq_kv, 1, idx.expand(-1, -1, out.seq_kv.shape[-1]))
         carry_gate[batch.slots] = torch.gather(out.seq_gate, 1, idx.expand(-1, -1, out.seq_gate.shape[-1]))
         pool.view(-1, pool.shape[-1]).index_put_((dest,), out.entries.flatten(0, 1))
+
+
+def _memoised(memo: dict | None, key, make):
+    if memo is None:
+        return make()
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
 
 
 def ratios_of(cfg: ModelConfig, layers: range) -> tuple[int, ...]:
