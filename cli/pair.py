@@ -120,15 +120,15 @@ def _interrupt(signum, frame):
 
 def up(cfg: UpConfig) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="dspark-pd-"))
-    with Pair(cfg, log_dir) as pair:
-        print(f"ready: OpenAI API at {pair.url}/v1 (logs in {log_dir}); Ctrl-C stops both services", flush=True)
-        try:
+    try:  # around the whole pair: Ctrl-C or SIGTERM may come during startup or right after "ready"
+        with Pair(cfg, log_dir) as pair:
+            print(f"ready: OpenAI API at {pair.url}/v1 (logs in {log_dir}); Ctrl-C stops both services", flush=True)
             while all(p.poll() is None for p in pair.procs):
                 time.sleep(0.5)
             print("a service exited; stopping", file=sys.stderr)
             return 1
-        except KeyboardInterrupt:
-            print("\nstopping", flush=True)
+    except KeyboardInterrupt:
+        print("\nstopping", flush=True)
     return 0
 
 
